@@ -1,0 +1,35 @@
+# `make demo` and `make test` create .venv when it is missing, with a Python >= 3.12 found by scripts/find-python.
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEMO := build/demo
+
+.PHONY: demo test generate fixtures clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || { py=$$(scripts/find-python) && echo "creating $(VENV) with $$py" && "$$py" -m venv $(VENV); }
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	rm -rf $(DEMO)/ckpt
+	$(BIN)/axgen build specs/llama_tiny.py --target cpu-8 --out $(DEMO)/llama_tiny_cpu_8.py
+	$(BIN)/axgen corpus $(DEMO)/corpus.u16
+	$(BIN)/python $(DEMO)/llama_tiny_cpu_8.py --data $(DEMO)/corpus.u16 --ckpt-dir $(DEMO)/ckpt --steps 300 --log-every 50
+	@echo "--- second run: resumes from the newest checkpoint and continues to step 340"
+	$(BIN)/python $(DEMO)/llama_tiny_cpu_8.py --data $(DEMO)/corpus.u16 --ckpt-dir $(DEMO)/ckpt --steps 340 --log-every 20
+
+test: $(STAMP)
+	$(BIN)/axgen build --all --check
+	$(BIN)/python -m pytest
+
+generate: $(STAMP)
+	$(BIN)/axgen build --all
+
+# Needs Python 3.11 with torch: see tests/fixtures/make_hf_fixtures.py.
+fixtures:
+	python3 tests/fixtures/make_hf_fixtures.py
+
+clean:
+	rm -rf $(VENV) build .pytest_cache

@@ -1,0 +1,21 @@
+"""Backends: one file per target family. `plan_for(spec, target)` resolves a target string to a Plan."""
+
+from axgen.backends import cpu, gpu, tpu, trainium
+from axgen.backends.common import LOGICAL_AXIS_RULES, Chip, Family, MeshRule, Plan, make_plan
+from axgen.spec import Model, SpecError
+
+FAMILIES: tuple[Family, ...] = (cpu.FAMILY, *tpu.FAMILIES, gpu.FAMILY, trainium.FAMILY)
+
+__all__ = ["FAMILIES", "LOGICAL_AXIS_RULES", "Chip", "Family", "MeshRule", "Plan", "family_of", "plan_for"]
+
+
+def family_of(target: str) -> Family | None:
+    return next((f for f in FAMILIES if f.num_devices(target) is not None), None)
+
+
+def plan_for(spec: Model, target: str) -> Plan:
+    family = family_of(target)
+    if family is None:
+        known = ", ".join(f.display for f in FAMILIES)
+        raise SpecError(f"{spec.origin}: unknown target {target!r}; known targets: {known}")
+    return make_plan(family, spec, target)

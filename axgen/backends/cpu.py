@@ -1,0 +1,26 @@
+"""CPU targets `cpu-N`: N host devices (fake ones on one machine), XLA kernels, float32 compute.
+
+float32 because these AVX2 CPUs have no fast bf16 path: MaxText's bf16 steps ran ~1.5x slower than fp32 here.
+"""
+
+from axgen.backends.common import Chip, Family, MeshRule
+
+FAMILY = Family(
+    name="cpu",
+    pattern=r"cpu-(\d+)",
+    display="cpu-N",
+    # Nominal: one AVX2 core, 2 FMA units x 8 float32 lanes x 2 FLOPs x ~3 GHz.
+    chip=Chip("host CPU core", peak_bf16_flops=96e9, hbm_bytes=24 * 1024**3, devices_per_host=1024),
+    rules=(
+        MeshRule(
+            r"cpu-8",
+            {"data": 2, "fsdp": 2, "model": 2},
+            why="every mesh axis at size 2, so CPU runs exercise the sharding that accelerator targets use",
+            xla_flags=("--xla_force_host_platform_device_count=8",),
+        ),
+        MeshRule(r"cpu-1", {}, why="one device: the unsharded reference run"),
+        MeshRule(r"cpu-\d+", {"fsdp": -1}, why="fully sharded data parallel over all host devices"),
+    ),
+    compute_dtype="float32",
+    attention="xla",
+)

@@ -1,0 +1,20 @@
+"""AWS Trainium2 targets `trn2-N`: N chips, 16 per trn2.48xlarge host, bf16 compute, XLA attention.
+
+No Neuron compiler is reachable from here: these programs are proven on CPU with the trn2 mesh on fake devices.
+"""
+
+from axgen.backends.common import GIB, Chip, Family, MeshRule
+
+FAMILY = Family(
+    name="trainium",
+    pattern=r"trn2-(\d+)",
+    display="trn2-N",
+    # Trainium2: ~667 TFLOP/s dense bf16 and 96 GiB HBM per chip.
+    chip=Chip("AWS Trainium2", peak_bf16_flops=667e12, hbm_bytes=96 * GIB, devices_per_host=16),
+    rules=(
+        # Tensor parallelism over 4 chips keeps its all-reduces on the fastest NeuronLink ring; fsdp across.
+        MeshRule(r"trn2-\d+", {"fsdp": -1, "model": 4}, why="model=4 inside a chip group, fsdp across"),
+    ),
+    compute_dtype="bfloat16",
+    attention="xla",
+)

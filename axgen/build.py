@@ -1,0 +1,54 @@
+"""Spec file -> graph -> passes -> plan -> program text, and where each program lives in `generated/`."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from axgen.backends import plan_for
+from axgen.codegen import emit
+from axgen.ir import Graph, from_spec
+from axgen.loader import load_spec
+from axgen.passes import run_passes
+from axgen.spec import Model, display_path
+
+
+@dataclass(frozen=True)
+class Built:
+    spec: Model
+    target: str
+    graph: Graph
+    source: str
+
+
+def output_name(target: str) -> str:
+    """`gpu-h100-8` -> `gpu_h100_8.py`: an importable module name."""
+    return target.replace("-", "_").replace(".", "_") + ".py"
+
+
+def default_output(spec_path: str | Path, target: str, root: Path = Path("generated")) -> Path:
+    return root / Path(spec_path).stem / output_name(target)
+
+
+def build(spec_path: str | Path, target: str) -> Built:
+    spec = load_spec(spec_path)
+    graph = from_spec(spec)
+    passes = run_passes(graph, spec)
+    plan = plan_for(spec, target)
+    source = emit(graph, plan, spec, passes, display_path(str(spec_path)), output_name(target))
+    return Built(spec, target, graph, source)
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Writes through a temporary file in the same folder, so a failure never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

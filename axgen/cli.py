@@ -1,0 +1,122 @@
+"""`axgen build | graph | targets | corpus`: the command line. Errors are one line and exit 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from axgen.backends import FAMILIES, family_of
+from axgen.build import build, default_output, write_atomically
+from axgen.corpus import write_token_file
+from axgen.ir import GraphError, from_spec
+from axgen.loader import load_spec
+from axgen.passes import PassError, run_passes
+from axgen.spec import SpecError
+
+SPECS = Path("specs")
+GENERATED = Path("generated")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except (SpecError, GraphError, PassError) as err:
+        print(f"axgen: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="axgen", description="Compile a model spec into a JAX training program.")
+    sub = parser.add_subparsers(required=True, metavar="COMMAND")
+
+    b = sub.add_parser("build", help="emit the program of a spec for a target (or of every spec x target)")
+    b.add_argument("spec", nargs="?", help="spec file, e.g. specs/llama2_7b.py")
+    b.add_argument("--target", help="e.g. gpu-h100-8; default: every target the spec declares")
+    b.add_argument("--out", type=Path, help="output file (default generated/<spec>/<target>.py)")
+    b.add_argument("--all", action="store_true", help="every spec in specs/ for each of its targets")
+    b.add_argument("--check", action="store_true", help="write nothing; exit 1 if generated/ is stale")
+    b.set_defaults(run=_build)
+
+    g = sub.add_parser("graph", help="print the IR of a spec, before or after its passes")
+    g.add_argument("spec")
+    g.add_argument("--before-passes", action="store_true")
+    g.set_defaults(run=_graph)
+
+    t = sub.add_parser("targets", help="list the target patterns and their mesh rules")
+    t.set_defaults(run=_targets)
+
+    c = sub.add_parser("corpus", help="write the bundled demo corpus as a uint16 byte-token file")
+    c.add_argument("out", type=Path)
+    c.set_defaults(run=_corpus)
+    return parser
+
+
+def _jobs(args) -> list[tuple[Path, str, Path]]:
+    """(spec file, target, output path) for every program the command covers."""
+    if args.all == bool(args.spec):
+        raise SpecError("build needs a spec file or --all (not both)")
+    spec_files = sorted(p for p in SPECS.glob("*.py") if p.name != "__init__.py") if args.all else [Path(args.spec)]
+    jobs = []
+    for spec_file in spec_files:
+        spec = load_spec(spec_file)
+        targets = [args.target] if args.target else list(spec.targets)
+        for target in targets:
+            if family_of(target) is None:
+                known = ", ".join(f.display for f in FAMILIES)
+                raise SpecError(f"{spec.origin}: unknown target {target!r}; known targets: {known}")
+            out = args.out if args.out and not args.all else default_output(spec_file, target, GENERATED)
+            jobs.append((spec_file, target, out))
+    return jobs
+
+
+def _build(args) -> int:
+    jobs = _jobs(args)
+    stale = []
+    for spec_file, target, out in jobs:
+        source = build(spec_file, target).source
+        if args.check:
+            if not out.is_file() or out.read_text() != source:
+                stale.append(str(out))
+        else:
+            write_atomically(out, source)
+            print(f"wrote {out}")
+    if args.check and args.all:
+        expected = {str(out) for _, _, out in jobs}
+        stale += sorted(str(p) for p in GENERATED.glob("*/*.py") if str(p) not in expected)
+    if stale:
+        print("axgen: stale or unexpected generated files (run `make generate`):", file=sys.stderr)
+        for path in stale:
+            print(f"  {path}", file=sys.stderr)
+        return 1
+    if args.check:
+        print(f"generated/ matches the compiler ({len(jobs)} programs)")
+    return 0
+
+
+def _graph(args) -> int:
+    spec = load_spec(args.spec)
+    graph = from_spec(spec)
+    if not args.before_passes:
+        run_passes(graph, spec)
+    print(graph.dump(), end="")
+    return 0
+
+
+def _targets(args) -> int:
+    for family in FAMILIES:
+        print(f"{family.display}  ({family.chip.name}, backends/{family.name}.py)")
+        for rule in family.rules:
+            print(f"  {rule.pattern:<28} {rule.mesh}  {rule.why}")
+    return 0
+
+
+def _corpus(args) -> int:
+    count = write_token_file(args.out)
+    print(f"wrote {count} tokens to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,5 @@
+"""Emission: graph + plan -> one standalone, black-formatted, libcst-checked Python training program."""
+
+from axgen.codegen.emit import EmitError, emit
+
+__all__ = ["EmitError", "emit"]

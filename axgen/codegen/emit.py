@@ -1,0 +1,237 @@
+"""Renders a program from the graph and the plan through the templates in `templates/`.
+
+Each node becomes one statement, rendered by its op's macro in `templates/ops/`; a provenance comment precedes
+each run of nodes that share a spec line and passes. The result is formatted by black and parsed by libcst; a
+failure there is a compiler bug and names the template.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import black
+import jinja2
+import libcst
+
+import axgen
+from axgen.backends import Plan
+from axgen.ir import Graph, Node
+from axgen.spec import Model
+
+TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
+
+# Op -> the macro file in templates/ops/ that renders it.
+OP_TEMPLATES = {
+    "positions": "embed",
+    "embed": "embed",
+    "lm_head": "embed",
+    "rms_norm": "norm",
+    "layer_norm": "norm",
+    "linear": "linear",
+    "rope": "rope",
+    "attention": "attention",
+    "swiglu": "mlp",
+    "gelu": "mlp",
+    "add": "residual",
+    "scan": "scan",
+}
+
+# One letter per logical axis, for einsum strings a reader can decode: "bse,ehd->bshd".
+AXIS_LETTERS = {
+    "batch": "b",
+    "seq": "s",
+    "embed": "e",
+    "heads": "h",
+    "kv_heads": "k",
+    "head_dim": "d",
+    "mlp": "f",
+    "vocab": "v",
+    "layers": "l",
+}
+
+BLACK_MODE = black.Mode(line_length=110)
+
+
+class EmitError(RuntimeError):
+    pass
+
+
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(TEMPLATES),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+    )
+
+
+def emit(graph: Graph, plan: Plan, spec: Model, passes: list, spec_path: str, output_name: str) -> str:
+    """The program's source text: deterministic, black-formatted, and parsed by libcst."""
+    env = _environment()
+    context = _context(env, graph, plan, spec, passes, spec_path, output_name)
+    source = env.get_template("program.py.j2").render(**context)
+    try:
+        formatted = black.format_str(source, mode=BLACK_MODE)
+        libcst.parse_module(formatted)
+    except (black.parsing.InvalidInput, libcst.ParserSyntaxError) as err:
+        raise EmitError(f"templates/program.py.j2 rendered invalid Python for {plan.target}: {err}") from None
+    return formatted
+
+
+def _context(env, graph, plan, spec, passes, spec_path, output_name) -> dict:
+    ops = {node.op for node in graph.nodes()}
+    rope_node = next(graph.nodes(op="rope"), None)
+    return {
+        "version": axgen.__version__,
+        "spec": spec,
+        "spec_path": spec_path,
+        "output_name": output_name,
+        "plan": plan,
+        "mesh_text": " ".join(f"{axis}={size}" for axis, size in plan.mesh),
+        "mesh_dict": repr(dict(plan.mesh)),
+        "passes_text": " · ".join(f"{p.name}({_args(spec.feature(p.name))})" for p in passes) or "none",
+        "config": _config(spec, plan),
+        "params_tree": _params_tree(graph),
+        "helpers": _helpers(env, ops, rope_node),
+        "blocks": [_block(env, graph, plan, region) for region in graph.blocks()],
+        "main_lines": _lines(env, graph, plan, "main", param_root="params"),
+        "main_output": graph.output("main").name,
+    }
+
+
+def _args(feature) -> str:
+    return feature.summary().partition("(")[2][:-1]
+
+
+def _config(spec: Model, plan: Plan) -> list[tuple[str, str, str]]:
+    attn, mlp, train, opt = spec.decoder.attention, spec.decoder.mlp, spec.train, spec.train.optimizer
+    entries = [
+        ("model", spec.name, ""),
+        ("vocab_size", spec.vocab_size, ""),
+        ("d_model", spec.d_model, ""),
+        ("num_layers", spec.decoder.num_layers, ""),
+        ("num_heads", attn.num_heads, ""),
+        ("num_kv_heads", attn.num_kv_heads, ""),
+        ("head_dim", attn.head_dim, ""),
+        ("mlp_hidden", mlp.hidden_dim, mlp.activation),
+        ("tie_embeddings", spec.tie_embeddings, ""),
+        ("num_params", spec.num_params, _count(spec.num_params)),
+        ("seq_len", train.seq_len, ""),
+        ("global_batch", train.global_batch, "sequences per step, over all devices"),
+        ("steps", train.steps, "length of the learning-rate schedule"),
+        ("warmup_steps", train.warmup_steps, ""),
+        ("lr", opt.lr, "peak"),
+        ("min_lr_ratio", opt.min_lr_ratio, ""),
+        ("b1", opt.b1, ""),
+        ("b2", opt.b2, ""),
+        ("eps", opt.eps, ""),
+        ("weight_decay", opt.weight_decay, ""),
+        ("grad_clip", train.grad_clip, "global norm"),
+        ("seed", train.seed, ""),
+        ("checkpoint_every", train.checkpoint_every, "steps"),
+        ("token_dtype", "uint16" if spec.vocab_size <= 2**16 else "uint32", "of the flat token file"),
+        ("flops_per_token", f"{spec.flops_per_token():.6g}", "6 x matmul params + causal attention"),
+    ]
+    return [(key, value if isinstance(value, str) and key == "flops_per_token" else repr(value), comment)
+            for key, value, comment in entries]
+
+
+def _params_tree(graph: Graph) -> str:
+    """The PARAMS literal: main-region params in program order, each block's stacked under its name."""
+    lines = ["{"]
+    for node in graph.nodes(region="main"):
+        if node.op == "scan":
+            region = graph.regions[node.attrs["block"]]
+            lines.append(f'"{region.name}": {{  # stacked: one slice per layer')
+            for block_node in graph.nodes(region=region.name):
+                lines += [_param_entry(p, stack=region.repeat) for p in block_node.params.values()]
+            lines.append("},")
+        lines += [_param_entry(p) for p in node.params.values()]
+    return "\n".join(lines + ["}"])
+
+
+def _param_entry(param, stack: int | None = None) -> str:
+    shape, axes = param.shape, param.type.axes
+    if stack is not None:
+        shape, axes = (stack, *shape), ("layers", *axes)
+    extra = "".join(
+        [
+            f', init="{param.init}"' if param.init != "normal" else "",
+            f", std={param.std}" if param.init == "normal" and param.std != 0.02 else "",
+            ", decay=False" if not param.decay else "",
+        ]
+    )
+    return f'"{param.key}": ParamSpec({shape!r}, {axes!r}{extra}),'
+
+
+def _helpers(env, ops: set[str], rope_node: Node | None) -> list[str]:
+    families = sorted({OP_TEMPLATES[op] for op in ops if op in OP_TEMPLATES})
+    helpers = []
+    for family in families:
+        module = env.get_template(f"ops/{family}.j2").module
+        if family == "rope":
+            helpers.append(module.helpers(ops, rope_node.attrs["scaling"]))
+        else:
+            helpers.append(module.helpers(ops))
+    return [h.strip("\n") + "\n\n" for h in helpers if h.strip()]
+
+
+def _block(env, graph: Graph, plan: Plan, region) -> dict:
+    return {
+        "name": region.name,
+        "function": region.function,
+        "repeat": region.repeat,
+        "lines": _lines(env, graph, plan, region.name, param_root="p"),
+        "output": graph.output(region.name).name,
+    }
+
+
+def _lines(env, graph: Graph, plan: Plan, region: str, param_root: str) -> list[str]:
+    """One statement per node, a provenance comment per run of nodes from the same spec line and passes."""
+    lines, last_provenance = [], None
+    for node in graph.nodes(region=region):
+        if node.op == "input":
+            continue
+        provenance = _provenance(node, plan)
+        if provenance != last_provenance:
+            lines.append(provenance)
+            last_provenance = provenance
+        lines.append(_statement(env, graph, node, param_root))
+        if node.op in plan.constrained_ops:
+            lines.append(f"{node.name} = constrain({node.name}, {node.type.axes!r})")
+    return lines
+
+
+def _provenance(node: Node, plan: Plan) -> str:
+    where = [node.label]
+    where += [f"passes/{p}.py" for p in node.passes if p == node.label]
+    if node.op == "attention":
+        where.append(f"kernel {plan.attention} ({plan.backend_file})")
+    return "# " + " · ".join([*where, node.source])
+
+
+def _statement(env, graph: Graph, node: Node, param_root: str) -> str:
+    args = {slot: src.name for slot, src in graph.inputs(node).items()}
+    weights = {role: f'{param_root}["{p.key}"]' for role, p in node.params.items()}
+    attrs = dict(node.attrs)
+    if node.op == "linear":
+        attrs["einsum"] = _einsum(graph.inputs(node)["x"].type.axes, node.params["w"].type.axes, node.type.axes)
+    if node.op == "scan":
+        attrs["function"] = graph.regions[node.attrs["block"]].function
+        weights["stacked"] = f'{param_root}["{node.attrs["block"]}"]'
+    macro = getattr(env.get_template(f"ops/{OP_TEMPLATES[node.op]}.j2").module, node.op)
+    view = Node(node.region, node.name, node.op, node.type, attrs, node.params, node.source, node.label, node.passes)
+    statement = str(macro(node.name, view, args, weights)).strip()
+    return f"{statement}  # {node.type}" if "#" not in statement else statement
+
+
+def _einsum(x_axes, w_axes, out_axes) -> str:
+    def letters(axes):
+        return "".join(AXIS_LETTERS[a] for a in axes)
+
+    return f"{letters(x_axes)},{letters(w_axes)}->{letters(out_axes)}"
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"

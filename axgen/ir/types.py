@@ -1,0 +1,51 @@
+"""Tensor and parameter types in named axes. Sizes are concrete except `None` for axes known only at run time."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RUNTIME_AXES = ("batch", "seq")
+
+
+@dataclass(frozen=True)
+class TensorType:
+    axes: tuple[str, ...]
+    sizes: tuple[int | None, ...]
+
+    @classmethod
+    def of(cls, *axes: str | tuple[str, int]) -> TensorType:
+        """`TensorType.of("batch", "seq", ("embed", 64))`: bare names are run-time sized."""
+        named = [(a, None) if isinstance(a, str) else a for a in axes]
+        return cls(tuple(n for n, _ in named), tuple(s for _, s in named))
+
+    def size(self, axis: str) -> int | None:
+        return self.sizes[self.axes.index(axis)]
+
+    def drop(self, *axes: str) -> TensorType:
+        kept = [(a, s) for a, s in zip(self.axes, self.sizes) if a not in axes]
+        return TensorType(tuple(a for a, _ in kept), tuple(s for _, s in kept))
+
+    def concat(self, other: TensorType) -> TensorType:
+        return TensorType(self.axes + other.axes, self.sizes + other.sizes)
+
+    def __str__(self) -> str:
+        return "[" + ", ".join(a if s is None else f"{a}={s}" for a, s in zip(self.axes, self.sizes)) + "]"
+
+
+@dataclass(frozen=True)
+class Param:
+    """A learned tensor. `key` is its name in the params tree; `axes` are logical, mapped to mesh axes later."""
+
+    key: str
+    type: TensorType
+    init: str = "normal"  # normal(0, std) | ones | zeros
+    std: float = 0.02
+    decay: bool = True  # whether AdamW's weight decay applies
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(s for s in self.type.sizes if s is not None)
+
+    def __str__(self) -> str:
+        init = f"normal({self.std})" if self.init == "normal" else self.init
+        return f"{self.key}{self.type} {init}{'' if self.decay else ' no-decay'}"

@@ -1,0 +1,75 @@
+"""Loads a spec file by path and returns its validated `spec`; every failure becomes one `SpecError` line."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import re
+import sys
+import traceback
+from pathlib import Path
+
+from axgen import spec as spec_module
+from axgen.spec import Model, SpecError, display_path, suggest
+
+_AXGEN_DIR = str(Path(__file__).resolve().parent)
+_UNEXPECTED = re.compile(r"(\w+)\.__init__\(\) got an unexpected keyword argument '(\w+)'")
+
+
+def load_spec(path: str | Path) -> Model:
+    path = Path(path)
+    if not path.is_file():
+        raise SpecError(f"{path}: no such spec file")
+    module = _import(path.resolve())
+    spec = getattr(module, "spec", None)
+    if not isinstance(spec, Model):
+        found = "nothing" if spec is None else type(spec).__name__
+        raise SpecError(f"{display_path(str(path))}: must bind `spec` to an axgen.spec.Model, found {found}")
+    return spec
+
+
+def _import(path: Path):
+    """Imports the file; in a `specs/` folder as `specs.<name>`, so specs can derive from each other."""
+    in_specs = path.parent.name == "specs"
+    root = path.parent.parent if in_specs else path.parent
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    name = f"specs.{path.stem}" if in_specs else f"axgen_spec_{path.stem}"
+    cached = sys.modules.get(name)
+    if cached is not None and Path(cached.__file__).resolve() == path:
+        return cached
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    try:
+        module_spec.loader.exec_module(module)
+    except SpecError:
+        raise
+    except Exception as err:  # any error in user code becomes one line naming its spec line
+        raise SpecError(f"{_user_frame(err)}: {_describe(err)}") from None
+    sys.modules[name] = module
+    return module
+
+
+def _user_frame(err: Exception) -> str:
+    """file:line of the innermost frame in the user's files (not axgen, not the standard library)."""
+    frames = [
+        f
+        for f in traceback.extract_tb(err.__traceback__)
+        if not f.filename.startswith((_AXGEN_DIR, "<")) and "/lib/python3" not in f.filename
+    ]
+    if isinstance(err, SyntaxError) and err.filename:
+        return f"{display_path(err.filename)}:{err.lineno}"
+    if not frames:
+        return "<spec>"
+    return f"{display_path(frames[-1].filename)}:{frames[-1].lineno}"
+
+
+def _describe(err: Exception) -> str:
+    message = str(err)
+    unexpected = _UNEXPECTED.search(message)
+    if unexpected:
+        cls_name, field_name = unexpected.groups()
+        cls = getattr(spec_module, cls_name, None)
+        fields = [f.name for f in dataclasses.fields(cls) if f.name != "origin"] if cls else []
+        return f"{cls_name} has no field {field_name!r}{suggest(field_name, fields)}"
+    return f"{type(err).__name__}: {message}"

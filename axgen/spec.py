@@ -1,0 +1,387 @@
+"""The spec vocabulary: frozen dataclasses that a model spec file builds.
+
+Every object remembers where it was constructed (`origin`, a spec file:line) and validates itself on
+construction, so an error reads `specs/x.py:14: Attention.num_kv_heads=5 does not divide num_heads=32`.
+Standard library only: spec files import this module and nothing else from axgen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = [
+    "AdamW",
+    "Attention",
+    "Decoder",
+    "Feature",
+    "LayerNorm",
+    "MLP",
+    "Model",
+    "Origin",
+    "RMSNorm",
+    "RoPE",
+    "RopeScaling",
+    "SpecError",
+    "Train",
+    "features",
+]
+
+ACTIVATIONS = ("swiglu", "gelu")
+_THIS_FILE = str(Path(__file__).resolve())
+
+
+class SpecError(ValueError):
+    """A one-line error that names the field, the value, and the spec file:line of the offending object."""
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a spec object was constructed."""
+
+    file: str
+    line: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+def display_path(filename: str) -> str:
+    """A stable, short name for a spec file: `specs/x.py` for files in a `specs/` folder."""
+    path = Path(filename).resolve()
+    if path.parent.name == "specs":
+        return f"specs/{path.name}"
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _caller_origin() -> Origin:
+    """The first frame outside this module and the dataclasses machinery: the spec line that built the object."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        internal = (
+            filename == _THIS_FILE
+            or filename.startswith("<")
+            or filename == dataclasses.__file__
+        )
+        if not internal:
+            return Origin(display_path(filename), frame.f_lineno)
+        frame = frame.f_back
+    return Origin("<unknown>", 0)
+
+
+def suggest(name: str, known: typing.Iterable[str]) -> str:
+    """`; did you mean 'x'?` when `name` is close to one of `known`, else an empty string."""
+    close = difflib.get_close_matches(name, list(known), n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpecNode:
+    """Base of every spec object: records its origin, normalises lists to tuples, checks types, validates."""
+
+    origin: Origin | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.origin is None:
+            object.__setattr__(self, "origin", _caller_origin())
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, list):
+                object.__setattr__(self, f.name, tuple(value))
+        self._check_types()
+        self.validate()
+
+    def validate(self) -> None:
+        """Checks of this object's own fields; subclasses extend it."""
+
+    def replace(self, **changes) -> typing.Self:
+        """A copy with `changes` applied; the copy's origin is the line that called `replace`."""
+        known = {f.name for f in dataclasses.fields(self)} - {"origin"}
+        for name in changes:
+            if name not in known:
+                raise SpecError(
+                    f"{_caller_origin()}: {type(self).__name__} has no field {name!r}{suggest(name, known)}"
+                )
+        return dataclasses.replace(self, origin=_caller_origin(), **changes)
+
+    def fail(self, field_name: str, message: str) -> typing.NoReturn:
+        value = getattr(self, field_name)
+        raise SpecError(f"{self.origin}: {type(self).__name__}.{field_name}={value!r} {message}")
+
+    def require_positive(self, *field_names: str) -> None:
+        for name in field_names:
+            if getattr(self, name) <= 0:
+                self.fail(name, "must be > 0")
+
+    def _check_types(self) -> None:
+        hints = typing.get_type_hints(type(self))
+        for f in dataclasses.fields(self):
+            if f.name == "origin":
+                continue
+            expected = hints[f.name]
+            if not _matches(getattr(self, f.name), expected):
+                self.fail(f.name, f"must be {_type_name(expected)}")
+
+
+def _matches(value, expected) -> bool:
+    origin = typing.get_origin(expected)
+    if expected is typing.Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_matches(value, arg) for arg in typing.get_args(expected))
+    if origin is tuple:
+        item_type = typing.get_args(expected)[0]
+        return isinstance(value, tuple) and all(_matches(v, item_type) for v in value)
+    if expected is type(None):
+        return value is None
+    if expected is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if expected is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, expected)
+
+
+def _type_name(expected) -> str:
+    origin = typing.get_origin(expected)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(arg) for arg in typing.get_args(expected))
+    if origin is tuple:
+        return f"a list of {_type_name(typing.get_args(expected)[0])}"
+    if expected is type(None):
+        return "None"
+    article = "an" if expected.__name__[0] in "aeiou" else "a"
+    return f"{article} {expected.__name__}"
+
+
+# --- model structure -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class RMSNorm(SpecNode):
+    eps: float = 1e-5
+
+    def validate(self) -> None:
+        self.require_positive("eps")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerNorm(SpecNode):
+    eps: float = 1e-5
+
+    def validate(self) -> None:
+        self.require_positive("eps")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Attention(SpecNode):
+    """Causal multi-head attention; `num_kv_heads < num_heads` is grouped-query attention."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def validate(self) -> None:
+        self.require_positive("num_heads", "num_kv_heads", "head_dim")
+        if self.num_heads % self.num_kv_heads:
+            self.fail("num_kv_heads", f"does not divide num_heads={self.num_heads}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MLP(SpecNode):
+    hidden_dim: int
+    activation: str = "swiglu"
+
+    def validate(self) -> None:
+        self.require_positive("hidden_dim")
+        if self.activation not in ACTIVATIONS:
+            self.fail(
+                "activation",
+                f"is not one of {', '.join(ACTIVATIONS)}{suggest(self.activation, ACTIVATIONS)}",
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decoder(SpecNode):
+    """`num_layers` identical pre-norm layers: x + attention(norm(x)), then x + mlp(norm(x))."""
+
+    num_layers: int
+    attention: Attention
+    mlp: MLP
+    norm: RMSNorm | LayerNorm = field(default_factory=RMSNorm)
+
+    def validate(self) -> None:
+        self.require_positive("num_layers")
+
+
+# --- training ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class AdamW(SpecNode):
+    """AdamW with linear warmup to `lr`, then cosine decay to `lr * min_lr_ratio` at the last step."""
+
+    lr: float
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    min_lr_ratio: float = 0.1
+
+    def validate(self) -> None:
+        self.require_positive("lr", "eps")
+        for name in ("b1", "b2"):
+            if not 0 <= getattr(self, name) < 1:
+                self.fail(name, "must be in [0, 1)")
+        if not 0 <= self.min_lr_ratio <= 1:
+            self.fail("min_lr_ratio", "must be in [0, 1]")
+        if self.weight_decay < 0:
+            self.fail("weight_decay", "must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Train(SpecNode):
+    seq_len: int
+    global_batch: int
+    steps: int = 1000
+    optimizer: AdamW = field(default_factory=lambda: AdamW(lr=3e-4))
+    warmup_steps: int = 100
+    grad_clip: float | None = 1.0
+    seed: int = 0
+    checkpoint_every: int = 100
+
+    def validate(self) -> None:
+        self.require_positive("seq_len", "global_batch", "steps", "checkpoint_every")
+        if not 0 <= self.warmup_steps < self.steps:
+            self.fail("warmup_steps", f"must be in [0, steps={self.steps})")
+        if self.grad_clip is not None and self.grad_clip <= 0:
+            self.fail("grad_clip", "must be > 0 (or None for no clipping)")
+
+
+# --- features: each one is applied by the pass of the same name in axgen/passes/ --------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Feature(SpecNode):
+    """A feature config; `pass_name` names the pass in axgen/passes/ that applies it."""
+
+    pass_name: typing.ClassVar[str]
+
+    def summary(self) -> str:
+        """`rope(theta=500000.0)`: how the feature is named in an emitted file's header."""
+        args = ", ".join(
+            f"{f.name}={getattr(self, f.name)}"
+            for f in dataclasses.fields(self)
+            if f.name != "origin" and getattr(self, f.name) is not None
+        )
+        return f"{self.pass_name}({args})"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeScaling(SpecNode):
+    """Llama-3 frequency scaling: long wavelengths slowed by `factor`, short kept, a smooth band between."""
+
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __str__(self) -> str:
+        return (
+            f"llama3(factor={self.factor}, low={self.low_freq_factor}, high={self.high_freq_factor}, "
+            f"original_max_position={self.original_max_position})"
+        )
+
+    def validate(self) -> None:
+        self.require_positive("factor", "low_freq_factor", "original_max_position")
+        if self.high_freq_factor <= self.low_freq_factor:
+            self.fail("high_freq_factor", f"must be > low_freq_factor={self.low_freq_factor}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoPE(Feature):
+    """Rotary position embeddings on queries and keys (rotate-half layout, as in HF Llama)."""
+
+    pass_name: typing.ClassVar[str] = "rope"
+    theta: float = 10_000.0
+    scaling: RopeScaling | None = None
+
+    def validate(self) -> None:
+        self.require_positive("theta")
+
+
+class features:  # noqa: N801 - a namespace, used as `features as F` in spec files
+    """Feature constructors for `Model.features`: `F.rope(theta=5e5, scaling=F.rope_scaling(factor=8.0))`."""
+
+    rope = RoPE
+    rope_scaling = RopeScaling
+
+
+# --- the model ---------------------------------------------------------------------------------------------------
+
+_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Model(SpecNode):
+    name: str
+    vocab_size: int
+    d_model: int
+    decoder: Decoder
+    train: Train
+    features: tuple[Feature, ...] = ()
+    targets: tuple[str, ...] = ()
+    tie_embeddings: bool = False
+
+    def validate(self) -> None:
+        if not _NAME.match(self.name):
+            self.fail("name", "must be lower-case letters, digits, '.', '_' or '-'")
+        self.require_positive("vocab_size", "d_model")
+        if not self.targets:
+            self.fail("targets", "must name at least one target, e.g. ['cpu-8']")
+        seen: dict[str, Feature] = {}
+        for feature in self.features:
+            if feature.pass_name in seen:
+                raise SpecError(
+                    f"{feature.origin}: Model.features has {feature.pass_name!r} twice "
+                    f"(first at {seen[feature.pass_name].origin})"
+                )
+            seen[feature.pass_name] = feature
+        attention = self.decoder.attention
+        if "rope" in seen and attention.head_dim % 2:
+            attention.fail("head_dim", "must be even for rope (it rotates pairs of channels)")
+
+    def feature(self, pass_name: str) -> Feature | None:
+        return next((f for f in self.features if f.pass_name == pass_name), None)
+
+    @property
+    def num_params(self) -> int:
+        """Parameter count, embeddings included."""
+        attn, mlp = self.decoder.attention, self.decoder.mlp
+        attn_params = self.d_model * attn.head_dim * (2 * attn.num_heads + 2 * attn.num_kv_heads)
+        mlp_params = self.d_model * mlp.hidden_dim * (3 if mlp.activation == "swiglu" else 2)
+        norm_params = self.d_model * (2 if isinstance(self.decoder.norm, LayerNorm) else 1)
+        per_layer = attn_params + mlp_params + 2 * norm_params
+        embeddings = self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
+        return self.decoder.num_layers * per_layer + embeddings + norm_params
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token: 6 per weight multiply-add (forward + backward) plus causal attention.
+
+        As in the PaLM paper's appendix B, with attention scores and values costing 6 * 2 * seq * heads * head_dim
+        per layer halved for the causal mask; the input embedding is a gather and costs nothing.
+        """
+        attn = self.decoder.attention
+        embed_gather = self.vocab_size * self.d_model if not self.tie_embeddings else 0
+        matmul_params = self.num_params - embed_gather
+        attention = 6 * self.decoder.num_layers * self.train.seq_len * attn.num_heads * attn.head_dim
+        return 6 * matmul_params + attention

@@ -1,0 +1,15 @@
+"""Llama 3 70B: the 8B recipe at 8192 wide and 80 deep with 64 query heads, derived rather than copied."""
+
+from specs.llama3_8b import spec as llama3_8b
+
+spec = llama3_8b.replace(
+    name="llama3-70b",
+    d_model=8192,
+    decoder=llama3_8b.decoder.replace(
+        num_layers=80,
+        attention=llama3_8b.decoder.attention.replace(num_heads=64),
+        mlp=llama3_8b.decoder.mlp.replace(hidden_dim=28_672),
+    ),
+    train=llama3_8b.train.replace(optimizer=llama3_8b.train.optimizer.replace(lr=1.5e-4)),
+    targets=["tpu-v5p-512", "gpu-h100-64", "trn2-64", "cpu-8"],
+)

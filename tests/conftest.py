@@ -1,0 +1,36 @@
+"""Shared fixtures. Every test sees 8 fake CPU devices (set before jax starts)."""
+
+import os
+
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import re  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from axgen.corpus import write_token_file  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+STEP_LINE = re.compile(r"^step (\d+) \| loss ([0-9.]+)", re.MULTILINE)
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "corpus.u16"
+    write_token_file(path)
+    return path
+
+
+def train(program: Path, data: Path, ckpt_dir: Path, steps: int, *extra: str) -> dict[int, float]:
+    """Runs an emitted program as a user would; returns {step: loss} from its log."""
+    result = subprocess.run(
+        [sys.executable, str(program), "--data", str(data), "--ckpt-dir", str(ckpt_dir), "--steps", str(steps),
+         "--log-every", "1", *extra],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {int(step): float(loss) for step, loss in STEP_LINE.findall(result.stdout)}

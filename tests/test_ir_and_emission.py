@@ -1,0 +1,96 @@
+"""IR dumps before/after passes, emitted programs, determinism, and what a spec without a feature leaves out."""
+
+import pytest
+
+from axgen.build import build, default_output
+from axgen.ir import GraphError, Op, from_spec
+from axgen.loader import load_spec
+from axgen.passes import PassError, run_passes
+from axgen.passes.manager import RegisteredPass, order
+from tests.conftest import ROOT
+
+TINY = ROOT / "specs/llama_tiny.py"
+
+
+def test_dump_before_and_after_rope(snapshot):
+    spec = load_spec(TINY)
+    graph = from_spec(spec)
+    before = graph.dump()
+    run_passes(graph, spec)
+    assert before == snapshot(name="before")
+    assert graph.dump() == snapshot(name="after_rope")
+    assert len(list(graph.nodes(op="rope"))) == 2
+
+
+def test_emitted_cpu_program(snapshot):
+    assert build(TINY, "cpu-1").source == snapshot
+
+
+def test_build_is_deterministic():
+    assert build(TINY, "gpu-h100-8").source == build(TINY, "gpu-h100-8").source
+
+
+def test_generated_tree_is_current():
+    """`axgen build --all --check` in test form: the committed file equals what the compiler emits now."""
+    assert default_output(TINY, "cpu-8", ROOT / "generated").read_text() == build(TINY, "cpu-8").source
+
+
+def test_without_rope_feature_there_is_no_rope_anywhere():
+    spec = load_spec(TINY).replace(features=[])
+    graph = from_spec(spec)
+    run_passes(graph, spec)
+    assert not list(graph.nodes(op="rope"))
+
+
+def test_emitted_files_import_only_the_allowed_libraries():
+    import libcst as cst
+
+    allowed = {"argparse", "dataclasses", "math", "os", "time", "jax", "numpy", "optax", "orbax"}
+    for path in sorted((ROOT / "generated").glob("*/*.py")):
+        module = cst.parse_module(path.read_text())
+        imported = set()
+        for stmt in module.body:
+            for small in stmt.body if isinstance(stmt, cst.SimpleStatementLine) else []:
+                if isinstance(small, cst.Import):
+                    imported |= {cst.Module([]).code_for_node(a.name).split(".")[0] for a in small.names}
+                if isinstance(small, cst.ImportFrom):
+                    imported.add(cst.Module([]).code_for_node(small.module).split(".")[0])
+        assert imported <= allowed, (path, imported - allowed)
+
+
+def test_unknown_feature_is_a_clear_error(tmp_path):
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    from axgen.spec import Feature, SpecError
+
+    @dataclass(frozen=True, kw_only=True)
+    class Sparsify(Feature):
+        pass_name: ClassVar[str] = "sparsify"
+
+    spec = load_spec(TINY).replace(features=[Sparsify()])
+    with pytest.raises(SpecError, match=r"feature 'sparsify' has no pass in axgen/passes/"):
+        run_passes(from_spec(spec), spec)
+
+
+def test_pass_ordering_follows_constraints_and_rejects_cycles():
+    def noop(g, cfg):
+        return None
+
+    registry = {
+        "a": RegisteredPass("a", noop, before=(), after=("b",)),
+        "b": RegisteredPass("b", noop, before=(), after=()),
+        "c": RegisteredPass("c", noop, before=("b",), after=()),
+    }
+    assert order(["a", "b", "c"], registry) == ["c", "b", "a"]
+    registry["b"] = RegisteredPass("b", noop, before=("c",), after=())
+    with pytest.raises(PassError, match="cycle"):
+        order(["a", "b", "c"], registry)
+
+
+def test_shape_rules_reject_an_ill_typed_rewrite():
+    spec = load_spec(TINY)
+    graph = from_spec(spec)
+    attn = next(graph.nodes(op="attention"))
+    with pytest.raises(GraphError, match=r"rope needs positions \[seq\], got \[batch, seq, embed=128\]"):
+        graph.insert_on_input(attn, "q", Op("rope", theta=1.0), positions=graph.node("layers", "attn_norm"))

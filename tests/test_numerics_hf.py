@@ -1,0 +1,46 @@
+"""The emitted forward against HF transformers' LlamaForCausalLM (fixtures made by tests/fixtures/make_hf_fixtures.py)."""
+
+import json
+
+import numpy as np
+import pytest
+from tests.conftest import ROOT
+
+from axgen.build import build, write_atomically
+from axgen.interop import hf_llama_to_params, load_program
+
+FIXTURES = ROOT / "tests/fixtures"
+
+
+@pytest.mark.parametrize("name", ["hf_llama_gqa", "hf_llama_rope_scaling"])
+def test_forward_matches_hf_llama_logits(name, tmp_path):
+    fixture = np.load(FIXTURES / f"{name}.npz")
+    built = build(FIXTURES / f"{name}_spec.py", "cpu-1")
+    config = json.loads(str(fixture["config"]))
+    spec = built.spec
+    assert (spec.vocab_size, spec.d_model, spec.decoder.num_layers) == (
+        config["vocab_size"], config["hidden_size"], config["num_hidden_layers"]
+    )
+    assert spec.feature("rope").theta == config["rope_theta"]
+    assert (spec.feature("rope").scaling is None) == (config["rope_scaling"] is None)
+
+    program_file = tmp_path / f"{name}.py"
+    write_atomically(program_file, built.source)
+    program = load_program(program_file)
+    state_dict = {k: fixture[k] for k in fixture.files if k.startswith(("model.", "lm_head."))}
+    logits = program.forward(hf_llama_to_params(state_dict, spec), fixture["input_ids"])
+
+    assert logits.dtype == np.float32
+    np.testing.assert_allclose(np.asarray(logits), fixture["logits"], atol=1e-4, rtol=1e-4)
+
+
+def test_converter_reads_safetensors_files(tmp_path):
+    from safetensors.numpy import save_file
+
+    fixture = np.load(FIXTURES / "hf_llama_gqa.npz")
+    state_dict = {k: fixture[k] for k in fixture.files if k.startswith(("model.", "lm_head."))}
+    save_file(state_dict, tmp_path / "model.safetensors")
+    spec = build(FIXTURES / "hf_llama_gqa_spec.py", "cpu-1").spec
+    from_file = hf_llama_to_params(tmp_path / "model.safetensors", spec)
+    from_dict = hf_llama_to_params(state_dict, spec)
+    np.testing.assert_array_equal(from_file["layers"]["wq"], from_dict["layers"]["wq"])

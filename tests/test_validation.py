@@ -1,0 +1,104 @@
+"""Bad specs and bad commands: one line naming the field, the value and the spec file:line; exit 2; no output."""
+
+import pytest
+
+from axgen.cli import main as axgen
+from axgen.loader import load_spec
+from axgen.spec import SpecError
+
+GOOD = """\
+from axgen.spec import MLP, AdamW, Attention, Decoder, Model, RMSNorm, Train
+from axgen.spec import features as F
+
+spec = Model(
+    name="bad-model",
+    vocab_size=256,
+    d_model=64,
+    decoder=Decoder(
+        num_layers=2,
+        attention=Attention(num_heads=4, num_kv_heads=2, head_dim=16),
+        mlp=MLP(hidden_dim=128, activation="swiglu"),
+        norm=RMSNorm(eps=1e-5),
+    ),
+    features=[F.rope(theta=10_000.0)],
+    train=Train(seq_len=32, global_batch=8, steps=100, warmup_steps=10),
+    targets=["cpu-8"],
+)
+"""
+
+# (name, text to replace, replacement, line of the offending object, expected message after "file:line: ")
+BAD_SPECS = [
+    ("kv_heads", "num_kv_heads=2", "num_kv_heads=3", 10, "Attention.num_kv_heads=3 does not divide num_heads=4"),
+    ("activation", '"swiglu"', '"swigle"', 11,
+     "MLP.activation='swigle' is not one of swiglu, gelu; did you mean 'swiglu'?"),
+    ("type", "num_layers=2", 'num_layers="2"', 8, "Decoder.num_layers='2' must be an int"),
+    ("eps", "eps=1e-5", "eps=-1.0", 12, "RMSNorm.eps=-1.0 must be > 0"),
+    ("unknown_field", "num_heads=4,", "num_head=4,", 10, "Attention has no field 'num_head'; did you mean 'num_heads'?"),
+    ("odd_head_dim", "head_dim=16", "head_dim=15", 10, "Attention.head_dim=15 must be even for rope (it rotates pairs of channels)"),
+    ("warmup", "warmup_steps=10", "warmup_steps=100", 15, "Train.warmup_steps=100 must be in [0, steps=100)"),
+    ("duplicate_feature", "features=[F.rope(theta=10_000.0)]", "features=[F.rope(), F.rope()]", 14,
+     "Model.features has 'rope' twice (first at specs/bad_duplicate_feature.py:14)"),
+    ("name", 'name="bad-model"', 'name="Bad Model"', 4,
+     "Model.name='Bad Model' must be lower-case letters, digits, '.', '_' or '-'"),
+    ("unknown_feature_arg", "F.rope(theta=10_000.0)", "F.rope(thetta=1.0)", 14,
+     "RoPE has no field 'thetta'; did you mean 'theta'?"),
+]
+
+
+def write_spec(tmp_path, name, text):
+    path = tmp_path / "specs" / f"bad_{name}.py"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize(("name", "old", "new", "line", "message"), BAD_SPECS, ids=[b[0] for b in BAD_SPECS])
+def test_bad_spec_gives_one_line_with_file_and_line(tmp_path, name, old, new, line, message):
+    assert old in GOOD
+    path = write_spec(tmp_path, name, GOOD.replace(old, new, 1))
+    with pytest.raises(SpecError) as err:
+        load_spec(path)
+    assert str(err.value) == f"specs/bad_{name}.py:{line}: {message}"
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("gpu-a100-8", "unknown target 'gpu-a100-8'; known targets: cpu-N, tpu-v5e-N, tpu-v5p-N, tpu-v6e-N, gpu-h100-N, trn2-N"),
+        ("cpu-16", "Train.global_batch=8 is not divisible by the 16 batch shards (data x fsdp) of target cpu-16"),
+    ],
+)
+def test_build_for_a_bad_target_exits_2_without_output(tmp_path, capsys, target, message):
+    path = write_spec(tmp_path, "target", GOOD)
+    out = tmp_path / "out.py"
+    assert axgen(["build", str(path), "--target", target, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith(message) and len(err.splitlines()) == 1
+    assert not out.exists() and list(tmp_path.glob("**/*.tmp")) == []
+
+
+def test_build_of_a_missing_file_exits_2(tmp_path, capsys):
+    assert axgen(["build", str(tmp_path / "nope.py"), "--target", "cpu-1", "--out", str(tmp_path / "o.py")]) == 2
+    assert capsys.readouterr().err.strip() == f"axgen: error: {tmp_path / 'nope.py'}: no such spec file"
+    assert not (tmp_path / "o.py").exists()
+
+
+def test_build_of_a_file_without_spec_exits_2(tmp_path, capsys):
+    path = write_spec(tmp_path, "nospec", "model = 3\n")
+    assert axgen(["build", str(path), "--target", "cpu-1", "--out", str(tmp_path / "o.py")]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "axgen: error: specs/bad_nospec.py: must bind `spec` to an axgen.spec.Model, found nothing"
+    )
+    assert not (tmp_path / "o.py").exists()
+
+
+def test_error_raised_by_user_code_names_its_line(tmp_path):
+    path = write_spec(tmp_path, "raises", "x = 1\nspec = 1 / 0\n")
+    with pytest.raises(SpecError, match=r"^specs/bad_raises.py:2: ZeroDivisionError: division by zero$"):
+        load_spec(path)
+
+
+def test_replace_with_unknown_field_names_the_calling_line(tmp_path):
+    path = write_spec(tmp_path, "replace", GOOD + "spec = spec.replace(nmae='x')\n")
+    with pytest.raises(SpecError, match=r"^specs/bad_replace.py:18: Model has no field 'nmae'; did you mean 'name'\?$"):
+        load_spec(path)
