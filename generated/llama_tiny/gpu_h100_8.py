@@ -394,19 +394,25 @@ def main(argv=None):
         state, origin = restore_or_init(manager, mesh, CONFIG["seed"])
         step_fn = compile_train_step(mesh)
         batch_sharding = NamedSharding(mesh, logical_to_mesh(("batch", "seq"), (args.batch, 1), mesh.shape))
-        start = int(state["step"])
+        start, began = int(state["step"]), time.perf_counter()
         print(f"{CONFIG['model']} on {jax.device_count()} devices, mesh {MESH_SHAPE}: {origin}", flush=True)
         tokens_per_step = args.batch * CONFIG["seq_len"]
-        last_time, last_step = time.perf_counter(), start
         for step in range(start, args.steps):
             tokens = jax.make_array_from_process_local_data(batch_sharding, data.local_batch(step))
             state, metrics = step_fn(state, tokens)
             done = step + 1
-            if done % args.log_every == 0 or done == args.steps or step == start:
+            if step == start:  # the first step compiles; time the rest from here
                 metrics = jax.device_get(metrics)
-                elapsed, last_time = time.perf_counter() - last_time, time.perf_counter()
-                tokens_per_second = tokens_per_step * (done - last_step) / elapsed
-                last_step = done
+                print(
+                    f"step {done} | loss {metrics['loss']:.4f} | compiled and ran in {time.perf_counter() - began:.1f}s",
+                    flush=True,
+                )
+                last_time, last_step = time.perf_counter(), done
+            elif done % args.log_every == 0 or done == args.steps:
+                metrics = jax.device_get(metrics)
+                now = time.perf_counter()
+                tokens_per_second = tokens_per_step * (done - last_step) / (now - last_time)
+                last_time, last_step = now, done
                 mfu = (
                     tokens_per_second
                     * CONFIG["flops_per_token"]
