@@ -173,13 +173,6 @@ class Graph:
         self._touch(node)
         return new
 
-    def update(self, node: Node, **attrs) -> None:
-        """Changes attrs of `node` in place and re-checks its type."""
-        node.attrs = {**node.attrs, **attrs}
-        if self._infer(node.region, node.name, node.op, self.inputs(node), node.attrs, node.params) != node.type:
-            raise GraphError(f"{node}: update changed its type")
-        self._touch(node)
-
     def _touch(self, node: Node) -> None:
         if self._pass and self._pass[0] not in node.passes:
             node.passes = (*node.passes, self._pass[0])

@@ -7,10 +7,8 @@ feature with no registered pass is a clear error.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import networkx as nx
 
@@ -29,11 +27,6 @@ class RegisteredPass:
     before: tuple[str, ...]
     after: tuple[str, ...]
 
-    @property
-    def file(self) -> str:
-        """`passes/rope.py`, as provenance comments name it."""
-        return f"passes/{Path(inspect.getfile(self.fn)).name}"
-
 
 _REGISTRY: dict[str, RegisteredPass] = {}
 
@@ -46,10 +39,6 @@ def register(name: str, before: tuple[str, ...] | list[str] = (), after: tuple[s
         return fn
 
     return decorate
-
-
-def registered() -> dict[str, RegisteredPass]:
-    return dict(_REGISTRY)
 
 
 def order(names: list[str], registry: dict[str, RegisteredPass] | None = None) -> list[str]:
