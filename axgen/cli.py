@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from axgen.backends import FAMILIES, family_of
+from axgen.backends import FAMILIES, family_for
 from axgen.build import build, default_output, write_atomically
 from axgen.corpus import write_token_file
 from axgen.ir import GraphError, from_spec
@@ -63,9 +63,7 @@ def _jobs(args) -> list[tuple[Path, str, Path]]:
         spec = load_spec(spec_file)
         targets = [args.target] if args.target else list(spec.targets)
         for target in targets:
-            if family_of(target) is None:
-                known = ", ".join(f.display for f in FAMILIES)
-                raise SpecError(f"{spec.origin}: unknown target {target!r}; known targets: {known}")
+            family_for(spec, target)
             out = args.out if args.out and not args.all else default_output(spec_file, target, GENERATED)
             jobs.append((spec_file, target, out))
     return jobs

@@ -6,16 +6,17 @@ from axgen.spec import Model, SpecError
 
 FAMILIES: tuple[Family, ...] = (cpu.FAMILY, *tpu.FAMILIES, gpu.FAMILY, trainium.FAMILY)
 
-__all__ = ["FAMILIES", "LOGICAL_AXIS_RULES", "Chip", "Family", "MeshRule", "Plan", "family_of", "plan_for"]
+__all__ = ["FAMILIES", "LOGICAL_AXIS_RULES", "Chip", "Family", "MeshRule", "Plan", "family_for", "plan_for"]
 
 
-def family_of(target: str) -> Family | None:
-    return next((f for f in FAMILIES if f.num_devices(target) is not None), None)
-
-
-def plan_for(spec: Model, target: str) -> Plan:
-    family = family_of(target)
+def family_for(spec: Model, target: str) -> Family:
+    """The family that owns `target`; an unknown target is an error that lists the known patterns."""
+    family = next((f for f in FAMILIES if f.num_devices(target) is not None), None)
     if family is None:
         known = ", ".join(f.display for f in FAMILIES)
         raise SpecError(f"{spec.origin}: unknown target {target!r}; known targets: {known}")
-    return make_plan(family, spec, target)
+    return family
+
+
+def plan_for(spec: Model, target: str) -> Plan:
+    return make_plan(family_for(spec, target), spec, target)

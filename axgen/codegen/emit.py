@@ -131,10 +131,9 @@ def _config(spec: Model, plan: Plan) -> list[tuple[str, str, str]]:
         ("seed", train.seed, ""),
         ("checkpoint_every", train.checkpoint_every, "steps"),
         ("token_dtype", "uint16" if spec.vocab_size <= 2**16 else "uint32", "of the flat token file"),
-        ("flops_per_token", f"{spec.flops_per_token():.6g}", "6 x matmul params + causal attention"),
+        ("flops_per_token", round(spec.flops_per_token()), "6 x matmul params + causal attention"),
     ]
-    return [(key, value if isinstance(value, str) and key == "flops_per_token" else repr(value), comment)
-            for key, value, comment in entries]
+    return [(key, repr(value), comment) for key, value, comment in entries]
 
 
 def _params_tree(graph: Graph) -> str:
@@ -221,8 +220,7 @@ def _statement(env, graph: Graph, node: Node, param_root: str) -> str:
         attrs["function"] = graph.regions[node.attrs["block"]].function
         weights["stacked"] = f'{param_root}["{node.attrs["block"]}"]'
     macro = getattr(env.get_template(f"ops/{OP_TEMPLATES[node.op]}.j2").module, node.op)
-    view = Node(node.region, node.name, node.op, node.type, attrs, node.params, node.source, node.label, node.passes)
-    statement = str(macro(node.name, view, args, weights)).strip()
+    statement = str(macro(node.name, attrs, args, weights)).strip()
     return f"{statement}  # {node.type}" if "#" not in statement else statement
 
 

@@ -192,11 +192,7 @@ class Graph:
 
 def _dump_node(graph: Graph, node: Node) -> str:
     args = ", ".join(f"{slot}={src.name}" for slot, src in graph.inputs(node).items())
-    attrs = "".join(f" {k}={_fmt(v)}" for k, v in sorted(node.attrs.items()) if k != "type")
+    attrs = "".join(f" {k}={v}" for k, v in sorted(node.attrs.items()) if k != "type")
     params = "".join(f" {role}:{p}" for role, p in sorted(node.params.items()))
     passes = f" passes={','.join(node.passes)}" if node.passes else ""
     return f"{node.name} = {node.op}({args}){attrs}{params} -> {node.type}  # {node.label} · {node.source}{passes}"
-
-
-def _fmt(value) -> str:
-    return str(value) if not isinstance(value, str) else value
