@@ -95,8 +95,15 @@ def _context(env, graph, plan, spec, passes, spec_path, output_name) -> dict:
         "params_tree": _params_tree(graph),
         "helpers": _helpers(env, ops, rope_node),
         "blocks": [_block(env, graph, plan, region) for region in graph.blocks()],
+        "groups": [_group(graph, scan) for scan in graph.nodes(op="scan") if _is_group(graph, scan)],
+        "regroup": any(_is_group(graph, scan) for scan in graph.nodes(op="scan")),
         "main_lines": _lines(env, graph, plan, "main", param_root="params"),
         "main_output": graph.output("main").name,
+        "main_aux": [f"{scan.name}_aux" for scan in graph.nodes(op="scan") if _scan_has_aux(graph, scan)],
+        "aux_weights": {k: v for node in graph.nodes() for k, v in node.attrs.get("aux_weights", {}).items()},
+        "remat_policy": _remat_policy(graph),
+        "uses_functools": bool(_remat_policy(graph)) or any(n.attrs.get("quantize") for n in graph.nodes()),
+        "aux_names": sorted({name for node in graph.nodes() for name in node.attrs.get("aux", ())}),
     }
 
 
@@ -140,8 +147,8 @@ def _params_tree(graph: Graph) -> str:
     """The PARAMS literal: main-region params in program order, each block's stacked under its name."""
     lines = ["{"]
     for node in graph.nodes(region="main"):
-        if node.op == "scan":
-            region = graph.regions[node.attrs["block"]]
+        for block in node.attrs["blocks"] if node.op == "scan" else ():
+            region = graph.regions[block]
             lines.append(f'"{region.name}": {{  # stacked: one slice per layer')
             for block_node in graph.nodes(region=region.name):
                 lines += [_param_entry(p, stack=region.repeat) for p in block_node.params.values()]
@@ -177,13 +184,63 @@ def _helpers(env, ops: set[str], rope_node: Node | None) -> list[str]:
 
 
 def _block(env, graph: Graph, plan: Plan, region) -> dict:
+    aux = [f"{node.name}_aux" for node in graph.nodes(region=region.name) if node.attrs.get("aux")]
     return {
         "name": region.name,
         "function": region.function,
         "repeat": region.repeat,
         "lines": _lines(env, graph, plan, region.name, param_root="p"),
         "output": graph.output(region.name).name,
+        "aux": aux[0] if len(aux) == 1 else "{" + ", ".join(f"**{a}" for a in aux) + "}" if aux else None,
+        "remat": region.attrs.get("remat"),
     }
+
+
+def _remat_policy(graph: Graph) -> dict | None:
+    """The one jax.checkpoint policy of the program's blocks, as a comment and an expression."""
+    policies = {repr(r.attrs["remat"]): r.attrs["remat"] for r in graph.blocks() if r.attrs.get("remat")}
+    if not policies:
+        return None
+    if len(policies) > 1:
+        raise EmitError(f"blocks have different remat policies: {sorted(policies)}")
+    remat = next(iter(policies.values()))
+    names = lambda key: ", ".join(f'"{n}"' for n in remat[key])  # noqa: E731
+    if remat["offload"]:
+        expression = (
+            f"jax.checkpoint_policies.save_and_offload_only_these_names(names_which_can_be_saved=[{names('save')}], "
+            f'names_which_can_be_offloaded=[{names("offload")}], offload_src="device", offload_dst="pinned_host")'
+        )
+    elif remat["save"]:
+        expression = f"jax.checkpoint_policies.save_only_these_names({names('save')})"
+    else:
+        expression = "jax.checkpoint_policies.nothing_saveable"
+    comment = f"# remat · passes/remat.py · {remat['source']} · policy {remat['policy']}: {remat['why']}"
+    return {"comment": comment, "expression": expression}
+
+
+def _has_aux(graph: Graph, region: str) -> bool:
+    return any(node.attrs.get("aux") for node in graph.nodes(region=region))
+
+
+def _scan_has_aux(graph: Graph, scan: Node) -> bool:
+    return any(_has_aux(graph, block) for block in scan.attrs["blocks"])
+
+
+def _is_group(graph: Graph, scan: Node) -> bool:
+    """Whether one scan step runs more than one layer: a mixed stack, or several layers of one block."""
+    blocks = scan.attrs["blocks"]
+    return len(blocks) > 1 or graph.regions[blocks[0]].repeat != scan.attrs["steps"]
+
+
+def _group(graph: Graph, scan: Node) -> dict:
+    """The function one step of a grouped scan runs: each block's layers of the group, in order."""
+    calls = []
+    for block in scan.attrs["blocks"]:
+        region = graph.regions[block]
+        calls.append({"block": block, "function": region.function, "per_step": region.repeat // scan.attrs["steps"], "aux": _has_aux(graph, block)})
+    if sum(call["aux"] for call in calls) > 1:
+        raise EmitError(f"scan {scan.name}: more than one block of a group has auxiliary outputs")
+    return {"function": f"{scan.name}_group", "steps": scan.attrs["steps"], "calls": calls, "aux": _scan_has_aux(graph, scan)}
 
 
 def _lines(env, graph: Graph, plan: Plan, region: str, param_root: str) -> list[str]:
@@ -217,11 +274,24 @@ def _statement(env, graph: Graph, node: Node, param_root: str) -> str:
     if node.op == "linear":
         attrs["einsum"] = _einsum(graph.inputs(node)["x"].type.axes, node.params["w"].type.axes, node.type.axes)
     if node.op == "scan":
-        attrs["function"] = graph.regions[node.attrs["block"]].function
-        weights["stacked"] = f'{param_root}["{node.attrs["block"]}"]'
+        attrs.update(_scan_call(graph, node, param_root))
     macro = getattr(env.get_template(f"ops/{OP_TEMPLATES[node.op]}.j2").module, node.op)
     statement = str(macro(node.name, attrs, args, weights)).strip()
     return f"{statement}  # {node.type}" if "#" not in statement else statement
+
+
+def _scan_call(graph: Graph, scan: Node, param_root: str) -> dict:
+    """The function a scan step calls and the stacked params it scans over."""
+    if not _is_group(graph, scan):
+        block = scan.attrs["blocks"][0]
+        return {"function": graph.regions[block].function, "xs": f'{param_root}["{block}"]', "aux": _scan_has_aux(graph, scan)}
+    entries = []
+    for block in scan.attrs["blocks"]:
+        stacked = f'{param_root}["{block}"]'
+        if graph.regions[block].repeat != scan.attrs["steps"]:
+            stacked = f"regroup({stacked}, {scan.attrs['steps']})"
+        entries.append(f'"{block}": {stacked}')
+    return {"function": f"{scan.name}_group", "xs": "{" + ", ".join(entries) + "}", "aux": _scan_has_aux(graph, scan)}
 
 
 def _einsum(x_axes, w_axes, out_axes) -> str:

@@ -19,7 +19,7 @@ def from_spec(spec: Model) -> Graph:
     positions = g.add("main", "positions", "positions", {"tokens": tokens}, source=src, label="tokens")
     table = Param("embed", TensorType.of(("vocab", spec.vocab_size)).concat(embed_type), decay=False)
     x = g.add("main", "embed", "embed", {"tokens": tokens}, {"table": table}, source=src, label="embedding")
-    x = g.add("main", BLOCK, "scan", {"x": x, "positions": positions}, source=str(spec.decoder.origin), label="decoder", block=BLOCK)
+    x = g.add("main", BLOCK, "scan", {"x": x, "positions": positions}, source=str(spec.decoder.origin), label="decoder", blocks=(BLOCK,), steps=spec.decoder.num_layers)
     x = _norm(g, "main", "final_norm", x, spec.decoder.norm)
     if spec.tie_embeddings:
         logits = g.add("main", "logits", "lm_head", {"x": x}, source=src, label="output", tied=True, vocab=spec.vocab_size)

@@ -1,14 +1,18 @@
 """The graph IR: named regions (the main program and repeated blocks) of op nodes over networkx.
 
 A block is a region with `repeat=N`: one decoder layer, emitted as a `jax.lax.scan` over stacked params, so a
-pass that rewrites the block rewrites all N layers. Node names are unique within a region and become the emitted
+pass that rewrites the block rewrites all N layers. A `scan` node runs its `blocks` in order, `steps` times: one
+block of N layers is `steps=N`; a mixed stack (dense, MoE, dense, MoE) is two blocks of N/2 layers each, run in
+turn for `steps=N/2`. Node names are unique within a region and become the emitted
 variable names. Every node records provenance: the spec line it came from and the passes that made or changed it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import copy
+import dataclasses
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -56,6 +60,16 @@ class Region:
     function: str  # the emitted function that computes one repeat of the region
     dag: nx.MultiDiGraph = field(default_factory=nx.MultiDiGraph)
     output: str | None = None
+    attrs: dict = field(default_factory=dict)  # what passes decide for the whole region, e.g. its remat policy
+
+
+@dataclass(frozen=True)
+class Subgraph:
+    """Nodes of one region, the outside nodes they read, and the one node whose value leaves them."""
+
+    nodes: tuple[Node, ...]
+    inputs: tuple[Node, ...]
+    output: Node
 
 
 class Graph:
@@ -163,6 +177,57 @@ class Graph:
         finally:
             self._pass = None
 
+    def update(self, node: Node, **attrs) -> Node:
+        """Sets attrs on `node` (a rewrite that keeps its inputs and params); its shape rule must still hold."""
+        inputs = self.inputs(node)
+        node.attrs = {**node.attrs, **attrs}
+        self._infer(node.region, node.name, node.op, inputs, node.attrs, node.params)
+        self._touch(node)
+        return node
+
+    def set_region_attrs(self, region: str, **attrs) -> None:
+        self.regions[region].attrs.update(attrs)
+
+    def subgraph(self, region: str, keep: Callable[[Node], bool]) -> Subgraph:
+        """The nodes of `region` that `keep` selects; exactly one of them may be read from outside."""
+        dag = self.regions[region].dag
+        nodes = tuple(n for n in self.nodes(region=region) if keep(n))
+        names = {n.name for n in nodes}
+        inputs = {src: None for n in nodes for src, _ in dag.in_edges(n.name) if src not in names}
+        exits = [n for n in nodes if n.name == self.regions[region].output or any(d not in names for d in dag.successors(n.name))]
+        if len(exits) != 1:
+            raise GraphError(f"{region}: the selected nodes must have one output, found {[str(n) for n in exits]}")
+        return Subgraph(nodes, tuple(self.node(region, src) for src in inputs), exits[0])
+
+    def replace(self, old: Subgraph, new: Node) -> None:
+        """Routes every reader of `old.output` to `new`, then removes `old`'s nodes."""
+        region = self.regions[new.region]
+        for _, reader, slot in list(region.dag.out_edges(old.output.name, keys=True)):
+            region.dag.add_edge(new.name, reader, key=slot)
+            self._touch(self.node(new.region, reader))
+        if region.output == old.output.name:
+            region.output = new.name
+        region.dag.remove_nodes_from(n.name for n in old.nodes)
+
+    def split_block(self, scan: Node, every: int, name: str, function: str) -> Region:
+        """Gives every `every`-th layer of `scan`'s last block a copy of its own, to be rewritten apart.
+
+        The scan then runs its old blocks and the copy in turn, `repeat / every` times; passes rewrite the copy.
+        """
+        source = self.regions[scan.attrs["blocks"][-1]]
+        if source.repeat % every:
+            raise GraphError(f"{source.name}: {source.repeat} layers do not split into groups of {every}")
+        steps = source.repeat // every
+        copied = self.add_region(name, repeat=steps, function=function)
+        copied.attrs = copy.deepcopy(source.attrs)
+        for node_name, data in source.dag.nodes(data=True):
+            copied.dag.add_node(node_name, node=dataclasses.replace(data["node"], region=name, attrs=dict(data["node"].attrs)))
+        copied.dag.add_edges_from(source.dag.edges(keys=True))
+        copied.output = source.output
+        source.repeat -= steps
+        self.update(scan, blocks=(*scan.attrs["blocks"], name), steps=steps)
+        return copied
+
     def insert_on_input(self, node: Node, slot: str, op: Op, **extra_inputs: Node) -> Node:
         """Puts a new `op` node between `node` and the producer of its input `slot`; returns the new node."""
         dag = self.regions[node.region].dag
@@ -183,7 +248,9 @@ class Graph:
         """A stable text form: regions in order, nodes topologically sorted, no ids or addresses."""
         lines = [f"graph {self.name}"]
         for region in self.regions.values():
-            lines.append(f"region {region.name}" + (f" repeat={region.repeat}" if region.repeat > 1 else ""))
+            repeat = f" repeat={region.repeat}" if region.repeat > 1 else ""
+            attrs = "".join(f" {k}={v}" for k, v in sorted(region.attrs.items()))
+            lines.append(f"region {region.name}{repeat}{attrs}")
             for node in self.nodes(region=region.name):
                 lines.append("  " + _dump_node(self, node))
             lines.append(f"  return {region.output}")
