@@ -8,14 +8,16 @@ from dataclasses import dataclass, field
 
 from axgen.spec import Model, SpecError
 
-MESH_AXES = ("data", "fsdp", "model")
+# Outermost first: `model` is innermost so its collectives use the fastest links between neighbouring devices.
+MESH_AXES = ("data", "fsdp", "expert", "model")
 GIB = 1024**3
 
 # Logical axis -> mesh axes, in MaxText's style. A mesh axis already used by an earlier dimension of the same
 # tensor is skipped, so activations [batch, seq, embed] shard batch over data x fsdp and leave embed whole, while
-# weights [embed, heads, head_dim] shard embed over fsdp and heads over model.
+# weights [embed, heads, head_dim] shard embed over fsdp and heads over model. Outside the experts, the expert
+# mesh axis is one more data-parallel axis, as in MaxText.
 LOGICAL_AXIS_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("batch", ("data", "fsdp")),
+    ("batch", ("data", "fsdp", "expert")),
     ("seq", ()),
     ("embed", ("fsdp",)),
     ("heads", ("model",)),
@@ -23,6 +25,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("head_dim", ()),
     ("mlp", ("model",)),
     ("vocab", ("model",)),
+    ("expert", ("expert",)),
     ("layers", ()),
 )
 
@@ -121,6 +124,6 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
     batch_shards = plan.mesh_size(*dict(LOGICAL_AXIS_RULES)["batch"])
     if spec.train.global_batch % batch_shards:
         spec.train.fail(
-            "global_batch", f"is not divisible by the {batch_shards} batch shards (data x fsdp) of target {target}"
+            "global_batch", f"is not divisible by the {batch_shards} batch shards (data x fsdp x expert) of target {target}"
         )
     return plan
