@@ -23,6 +23,7 @@ __all__ = [
     "Feature",
     "LayerNorm",
     "MLP",
+    "MoE",
     "Model",
     "Origin",
     "RMSNorm",
@@ -319,11 +320,43 @@ class RoPE(Feature):
         self.require_positive("theta")
 
 
+@dataclass(frozen=True, kw_only=True)
+class MoE(Feature):
+    """Mixture of experts in place of the MLP of every `every`-th layer (the last of each group of `every`).
+
+    Routing as in Mixtral: softmax over experts, top-k, the k weights renormalised. Dropless when
+    `capacity_factor` is None; otherwise each expert takes `top_k * seq * capacity_factor / num_experts` tokens
+    of a sequence and drops the rest. The training loss adds `aux_loss_weight` times the Switch Transformer
+    load-balancing loss and `router_z_loss_weight` times the ST-MoE router z-loss.
+    """
+
+    pass_name: typing.ClassVar[str] = "moe"
+    num_experts: int
+    top_k: int = 2
+    capacity_factor: float | None = None
+    every: int = 1
+    aux_loss_weight: float
+    router_z_loss_weight: float
+
+    def validate(self) -> None:
+        self.require_positive("top_k", "every")
+        if self.num_experts < 2:
+            self.fail("num_experts", "must be >= 2")
+        if self.top_k > self.num_experts:
+            self.fail("top_k", f"must be <= num_experts={self.num_experts}")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            self.fail("capacity_factor", "must be > 0 (or None for dropless routing)")
+        for name in ("aux_loss_weight", "router_z_loss_weight"):
+            if getattr(self, name) < 0:
+                self.fail(name, "must be >= 0")
+
+
 class features:  # noqa: N801 - a namespace, used as `features as F` in spec files
     """Feature constructors for `Model.features`: `F.rope(theta=5e5, scaling=F.rope_scaling(factor=8.0))`."""
 
     rope = RoPE
     rope_scaling = RopeScaling
+    moe = MoE
 
 
 # --- the model ---------------------------------------------------------------------------------------------------
@@ -359,29 +392,8 @@ class Model(SpecNode):
         attention = self.decoder.attention
         if "rope" in seen and attention.head_dim % 2:
             attention.fail("head_dim", "must be even for rope (it rotates pairs of channels)")
+        if "moe" in seen and self.decoder.num_layers % seen["moe"].every:
+            seen["moe"].fail("every", f"does not divide Decoder.num_layers={self.decoder.num_layers}")
 
     def feature(self, pass_name: str) -> Feature | None:
         return next((f for f in self.features if f.pass_name == pass_name), None)
-
-    @property
-    def num_params(self) -> int:
-        """Parameter count, embeddings included."""
-        attn, mlp = self.decoder.attention, self.decoder.mlp
-        attn_params = self.d_model * attn.head_dim * (2 * attn.num_heads + 2 * attn.num_kv_heads)
-        mlp_params = self.d_model * mlp.hidden_dim * (3 if mlp.activation == "swiglu" else 2)
-        norm_params = self.d_model * (2 if isinstance(self.decoder.norm, LayerNorm) else 1)
-        per_layer = attn_params + mlp_params + 2 * norm_params
-        embeddings = self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
-        return self.decoder.num_layers * per_layer + embeddings + norm_params
-
-    def flops_per_token(self) -> float:
-        """Training FLOPs per token: 6 per weight multiply-add (forward + backward) plus causal attention.
-
-        As in the PaLM paper's appendix B, with attention scores and values costing 6 * 2 * seq * heads * head_dim
-        per layer halved for the causal mask; the input embedding is a gather and costs nothing.
-        """
-        attn = self.decoder.attention
-        embed_gather = self.vocab_size * self.d_model if not self.tie_embeddings else 0
-        matmul_params = self.num_params - embed_gather
-        attention = 6 * self.decoder.num_layers * self.train.seq_len * attn.num_heads * attn.head_dim
-        return 6 * matmul_params + attention

@@ -3,7 +3,9 @@
 import os
 
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
 
 import re  # noqa: E402
 import subprocess  # noqa: E402
@@ -27,10 +29,32 @@ def corpus(tmp_path_factory) -> Path:
 
 def train(program: Path, data: Path, ckpt_dir: Path, steps: int, *extra: str) -> dict[int, float]:
     """Runs an emitted program as a user would; returns {step: loss} from its log."""
+    return {
+        int(step): float(loss)
+        for step, loss in STEP_LINE.findall(train_log(program, data, ckpt_dir, steps, *extra))
+    }
+
+
+def train_log(program: Path, data: Path, ckpt_dir: Path, steps: int, *extra: str) -> str:
+    """Runs an emitted program as a user would, logging every step; returns what it printed."""
     result = subprocess.run(
-        [sys.executable, str(program), "--data", str(data), "--ckpt-dir", str(ckpt_dir), "--steps", str(steps),
-         "--log-every", "1", *extra],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        [
+            sys.executable,
+            str(program),
+            "--data",
+            str(data),
+            "--ckpt-dir",
+            str(ckpt_dir),
+            "--steps",
+            str(steps),
+            "--log-every",
+            "1",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    return {int(step): float(loss) for step, loss in STEP_LINE.findall(result.stdout)}
+    return result.stdout

@@ -7,7 +7,7 @@ import pytest
 from tests.conftest import ROOT
 
 from axgen.build import build, write_atomically
-from axgen.interop import hf_llama_to_params, load_program
+from axgen.interop import hf_to_params, load_program
 
 FIXTURES = ROOT / "tests/fixtures"
 
@@ -28,7 +28,7 @@ def test_forward_matches_hf_llama_logits(name, tmp_path):
     write_atomically(program_file, built.source)
     program = load_program(program_file)
     state_dict = {k: fixture[k] for k in fixture.files if k.startswith(("model.", "lm_head."))}
-    logits = program.forward(hf_llama_to_params(state_dict, spec), fixture["input_ids"])
+    logits = program.forward(hf_to_params(state_dict, spec), fixture["input_ids"])
 
     assert logits.dtype == np.float32
     np.testing.assert_allclose(np.asarray(logits), fixture["logits"], atol=1e-4, rtol=1e-4)
@@ -41,6 +41,6 @@ def test_converter_reads_safetensors_files(tmp_path):
     state_dict = {k: fixture[k] for k in fixture.files if k.startswith(("model.", "lm_head."))}
     save_file(state_dict, tmp_path / "model.safetensors")
     spec = build(FIXTURES / "hf_llama_gqa_spec.py", "cpu-1").spec
-    from_file = hf_llama_to_params(tmp_path / "model.safetensors", spec)
-    from_dict = hf_llama_to_params(state_dict, spec)
+    from_file = hf_to_params(tmp_path / "model.safetensors", spec)
+    from_dict = hf_to_params(state_dict, spec)
     np.testing.assert_array_equal(from_file["layers"]["wq"], from_dict["layers"]["wq"])

@@ -15,7 +15,7 @@ import libcst
 
 import axgen
 from axgen.backends import Plan
-from axgen.ir import Graph, Node
+from axgen.ir import Graph, Node, cost
 from axgen.spec import Model
 
 TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
@@ -34,6 +34,7 @@ OP_TEMPLATES = {
     "gelu": "mlp",
     "add": "residual",
     "scan": "scan",
+    "moe": "moe",
 }
 
 # One letter per logical axis, for einsum strings a reader can decode: "bse,ehd->bshd".
@@ -47,6 +48,7 @@ AXIS_LETTERS = {
     "mlp": "f",
     "vocab": "v",
     "layers": "l",
+    "expert": "x",
 }
 
 BLACK_MODE = black.Mode(line_length=110)
@@ -66,7 +68,9 @@ def _environment() -> jinja2.Environment:
     )
 
 
-def emit(graph: Graph, plan: Plan, spec: Model, passes: list, spec_path: str, output_name: str) -> str:
+def emit(
+    graph: Graph, plan: Plan, spec: Model, passes: list, spec_path: str, output_name: str
+) -> str:
     """The program's source text: deterministic, black-formatted, and parsed by libcst."""
     env = _environment()
     context = _context(env, graph, plan, spec, passes, spec_path, output_name)
@@ -75,13 +79,14 @@ def emit(graph: Graph, plan: Plan, spec: Model, passes: list, spec_path: str, ou
         formatted = black.format_str(source, mode=BLACK_MODE)
         libcst.parse_module(formatted)
     except (black.parsing.InvalidInput, libcst.ParserSyntaxError) as err:
-        raise EmitError(f"templates/program.py.j2 rendered invalid Python for {plan.target}: {err}") from None
+        raise EmitError(
+            f"templates/program.py.j2 rendered invalid Python for {plan.target}: {err}"
+        ) from None
     return formatted
 
 
 def _context(env, graph, plan, spec, passes, spec_path, output_name) -> dict:
     ops = {node.op for node in graph.nodes()}
-    rope_node = next(graph.nodes(op="rope"), None)
     return {
         "version": axgen.__version__,
         "spec": spec,
@@ -90,19 +95,27 @@ def _context(env, graph, plan, spec, passes, spec_path, output_name) -> dict:
         "plan": plan,
         "mesh_text": " ".join(f"{axis}={size}" for axis, size in plan.mesh),
         "mesh_dict": repr(dict(plan.mesh)),
-        "passes_text": " · ".join(f"{p.name}({_args(spec.feature(p.name))})" for p in passes) or "none",
-        "config": _config(spec, plan),
+        "passes_text": " · ".join(f"{p.name}({_args(spec.feature(p.name))})" for p in passes)
+        or "none",
+        "config": _config(spec, graph),
         "params_tree": _params_tree(graph),
-        "helpers": _helpers(env, ops, rope_node),
+        "helpers": _helpers(env, graph, ops),
         "blocks": [_block(env, graph, plan, region) for region in graph.blocks()],
-        "groups": [_group(graph, scan) for scan in graph.nodes(op="scan") if _is_group(graph, scan)],
+        "groups": [
+            _group(graph, scan) for scan in graph.nodes(op="scan") if _is_group(graph, scan)
+        ],
         "regroup": any(_is_group(graph, scan) for scan in graph.nodes(op="scan")),
         "main_lines": _lines(env, graph, plan, "main", param_root="params"),
         "main_output": graph.output("main").name,
-        "main_aux": [f"{scan.name}_aux" for scan in graph.nodes(op="scan") if _scan_has_aux(graph, scan)],
-        "aux_weights": {k: v for node in graph.nodes() for k, v in node.attrs.get("aux_weights", {}).items()},
+        "main_aux": [
+            f"{scan.name}_aux" for scan in graph.nodes(op="scan") if _scan_has_aux(graph, scan)
+        ],
+        "aux_weights": {
+            k: v for node in graph.nodes() for k, v in node.attrs.get("aux_weights", {}).items()
+        },
         "remat_policy": _remat_policy(graph),
-        "uses_functools": bool(_remat_policy(graph)) or any(n.attrs.get("quantize") for n in graph.nodes()),
+        "uses_functools": bool(_remat_policy(graph))
+        or any(n.attrs.get("quantize") for n in graph.nodes()),
         "aux_names": sorted({name for node in graph.nodes() for name in node.attrs.get("aux", ())}),
     }
 
@@ -111,8 +124,13 @@ def _args(feature) -> str:
     return feature.summary().partition("(")[2][:-1]
 
 
-def _config(spec: Model, plan: Plan) -> list[tuple[str, str, str]]:
-    attn, mlp, train, opt = spec.decoder.attention, spec.decoder.mlp, spec.train, spec.train.optimizer
+def _config(spec: Model, graph: Graph) -> list[tuple[str, str, str]]:
+    attn, mlp, train, opt = (
+        spec.decoder.attention,
+        spec.decoder.mlp,
+        spec.train,
+        spec.train.optimizer,
+    )
     entries = [
         ("model", spec.name, ""),
         ("vocab_size", spec.vocab_size, ""),
@@ -123,7 +141,7 @@ def _config(spec: Model, plan: Plan) -> list[tuple[str, str, str]]:
         ("head_dim", attn.head_dim, ""),
         ("mlp_hidden", mlp.hidden_dim, mlp.activation),
         ("tie_embeddings", spec.tie_embeddings, ""),
-        ("num_params", spec.num_params, _count(spec.num_params)),
+        ("num_params", cost.num_params(graph), _count(cost.num_params(graph))),
         ("seq_len", train.seq_len, ""),
         ("global_batch", train.global_batch, "sequences per step, over all devices"),
         ("steps", train.steps, "length of the learning-rate schedule"),
@@ -137,8 +155,16 @@ def _config(spec: Model, plan: Plan) -> list[tuple[str, str, str]]:
         ("grad_clip", train.grad_clip, "global norm"),
         ("seed", train.seed, ""),
         ("checkpoint_every", train.checkpoint_every, "steps"),
-        ("token_dtype", "uint16" if spec.vocab_size <= 2**16 else "uint32", "of the flat token file"),
-        ("flops_per_token", round(spec.flops_per_token()), "6 x matmul params + causal attention"),
+        (
+            "token_dtype",
+            "uint16" if spec.vocab_size <= 2**16 else "uint32",
+            "of the flat token file",
+        ),
+        (
+            "flops_per_token",
+            cost.flops_per_token(graph, train.seq_len),
+            "6 x matmul weights used + causal attention",
+        ),
     ]
     return [(key, repr(value), comment) for key, value, comment in entries]
 
@@ -171,13 +197,15 @@ def _param_entry(param, stack: int | None = None) -> str:
     return f'"{param.key}": ParamSpec({shape!r}, {axes!r}{extra}),'
 
 
-def _helpers(env, ops: set[str], rope_node: Node | None) -> list[str]:
+def _helpers(env, graph: Graph, ops: set[str]) -> list[str]:
     families = sorted({OP_TEMPLATES[op] for op in ops if op in OP_TEMPLATES})
     helpers = []
     for family in families:
         module = env.get_template(f"ops/{family}.j2").module
         if family == "rope":
-            helpers.append(module.helpers(ops, rope_node.attrs["scaling"]))
+            helpers.append(module.helpers(ops, next(graph.nodes(op="rope")).attrs["scaling"]))
+        elif family == "moe":
+            helpers.append(module.helpers(ops, list(graph.nodes(op="moe"))))
         else:
             helpers.append(module.helpers(ops))
     return [h.strip("\n") + "\n\n" for h in helpers if h.strip()]
@@ -191,14 +219,20 @@ def _block(env, graph: Graph, plan: Plan, region) -> dict:
         "repeat": region.repeat,
         "lines": _lines(env, graph, plan, region.name, param_root="p"),
         "output": graph.output(region.name).name,
-        "aux": aux[0] if len(aux) == 1 else "{" + ", ".join(f"**{a}" for a in aux) + "}" if aux else None,
+        "aux": (
+            aux[0]
+            if len(aux) == 1
+            else "{" + ", ".join(f"**{a}" for a in aux) + "}" if aux else None
+        ),
         "remat": region.attrs.get("remat"),
     }
 
 
 def _remat_policy(graph: Graph) -> dict | None:
     """The one jax.checkpoint policy of the program's blocks, as a comment and an expression."""
-    policies = {repr(r.attrs["remat"]): r.attrs["remat"] for r in graph.blocks() if r.attrs.get("remat")}
+    policies = {
+        repr(r.attrs["remat"]): r.attrs["remat"] for r in graph.blocks() if r.attrs.get("remat")
+    }
     if not policies:
         return None
     if len(policies) > 1:
@@ -214,7 +248,9 @@ def _remat_policy(graph: Graph) -> dict | None:
         expression = f"jax.checkpoint_policies.save_only_these_names({names('save')})"
     else:
         expression = "jax.checkpoint_policies.nothing_saveable"
-    comment = f"# remat · passes/remat.py · {remat['source']} · policy {remat['policy']}: {remat['why']}"
+    comment = (
+        f"# remat · passes/remat.py · {remat['source']} · policy {remat['policy']}: {remat['why']}"
+    )
     return {"comment": comment, "expression": expression}
 
 
@@ -237,10 +273,22 @@ def _group(graph: Graph, scan: Node) -> dict:
     calls = []
     for block in scan.attrs["blocks"]:
         region = graph.regions[block]
-        calls.append({"block": block, "function": region.function, "per_step": region.repeat // scan.attrs["steps"], "aux": _has_aux(graph, block)})
+        calls.append(
+            {
+                "block": block,
+                "function": region.function,
+                "per_step": region.repeat // scan.attrs["steps"],
+                "aux": _has_aux(graph, block),
+            }
+        )
     if sum(call["aux"] for call in calls) > 1:
         raise EmitError(f"scan {scan.name}: more than one block of a group has auxiliary outputs")
-    return {"function": f"{scan.name}_group", "steps": scan.attrs["steps"], "calls": calls, "aux": _scan_has_aux(graph, scan)}
+    return {
+        "function": f"{scan.name}_group",
+        "steps": scan.attrs["steps"],
+        "calls": calls,
+        "aux": _scan_has_aux(graph, scan),
+    }
 
 
 def _lines(env, graph: Graph, plan: Plan, region: str, param_root: str) -> list[str]:
@@ -272,7 +320,9 @@ def _statement(env, graph: Graph, node: Node, param_root: str) -> str:
     weights = {role: f'{param_root}["{p.key}"]' for role, p in node.params.items()}
     attrs = dict(node.attrs)
     if node.op == "linear":
-        attrs["einsum"] = _einsum(graph.inputs(node)["x"].type.axes, node.params["w"].type.axes, node.type.axes)
+        attrs["einsum"] = _einsum(
+            graph.inputs(node)["x"].type.axes, node.params["w"].type.axes, node.type.axes
+        )
     if node.op == "scan":
         attrs.update(_scan_call(graph, node, param_root))
     macro = getattr(env.get_template(f"ops/{OP_TEMPLATES[node.op]}.j2").module, node.op)
@@ -284,14 +334,22 @@ def _scan_call(graph: Graph, scan: Node, param_root: str) -> dict:
     """The function a scan step calls and the stacked params it scans over."""
     if not _is_group(graph, scan):
         block = scan.attrs["blocks"][0]
-        return {"function": graph.regions[block].function, "xs": f'{param_root}["{block}"]', "aux": _scan_has_aux(graph, scan)}
+        return {
+            "function": graph.regions[block].function,
+            "xs": f'{param_root}["{block}"]',
+            "aux": _scan_has_aux(graph, scan),
+        }
     entries = []
     for block in scan.attrs["blocks"]:
         stacked = f'{param_root}["{block}"]'
         if graph.regions[block].repeat != scan.attrs["steps"]:
             stacked = f"regroup({stacked}, {scan.attrs['steps']})"
         entries.append(f'"{block}": {stacked}')
-    return {"function": f"{scan.name}_group", "xs": "{" + ", ".join(entries) + "}", "aux": _scan_has_aux(graph, scan)}
+    return {
+        "function": f"{scan.name}_group",
+        "xs": "{" + ", ".join(entries) + "}",
+        "aux": _scan_has_aux(graph, scan),
+    }
 
 
 def _einsum(x_axes, w_axes, out_axes) -> str:

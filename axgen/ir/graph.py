@@ -46,7 +46,9 @@ class Node:
     attrs: dict
     params: dict[str, Param]
     source: str  # spec file:line
-    label: str  # what the source line declares: "attention", "mlp", ... or the pass that made the node
+    label: (
+        str  # what the source line declares: "attention", "mlp", ... or the pass that made the node
+    )
     passes: tuple[str, ...] = ()
 
     def __str__(self) -> str:
@@ -60,7 +62,9 @@ class Region:
     function: str  # the emitted function that computes one repeat of the region
     dag: nx.MultiDiGraph = field(default_factory=nx.MultiDiGraph)
     output: str | None = None
-    attrs: dict = field(default_factory=dict)  # what passes decide for the whole region, e.g. its remat policy
+    attrs: dict = field(
+        default_factory=dict
+    )  # what passes decide for the whole region, e.g. its remat policy
 
 
 @dataclass(frozen=True)
@@ -125,7 +129,9 @@ class Graph:
         if op not in OPS:
             raise GraphError(f"{region}/{name}: unknown op {op!r}")
         if set(inputs) != set(OPS[op].slots):
-            raise GraphError(f"{region}/{name}: op {op} takes inputs {OPS[op].slots}, got {tuple(inputs)}")
+            raise GraphError(
+                f"{region}/{name}: op {op} takes inputs {OPS[op].slots}, got {tuple(inputs)}"
+            )
         for src in inputs.values():
             if src.region != region:
                 raise GraphError(f"{region}/{name}: input {src} is in another region")
@@ -157,7 +163,9 @@ class Graph:
     def inputs(self, node: Node) -> dict[str, Node]:
         dag = self.regions[node.region].dag
         slots = OPS[node.op].slots
-        found = {key: self.node(node.region, src) for src, _, key in dag.in_edges(node.name, keys=True)}
+        found = {
+            key: self.node(node.region, src) for src, _, key in dag.in_edges(node.name, keys=True)
+        }
         return {slot: found[slot] for slot in slots}
 
     def output(self, region: str) -> Node:
@@ -194,9 +202,16 @@ class Graph:
         nodes = tuple(n for n in self.nodes(region=region) if keep(n))
         names = {n.name for n in nodes}
         inputs = {src: None for n in nodes for src, _ in dag.in_edges(n.name) if src not in names}
-        exits = [n for n in nodes if n.name == self.regions[region].output or any(d not in names for d in dag.successors(n.name))]
+        exits = [
+            n
+            for n in nodes
+            if n.name == self.regions[region].output
+            or any(d not in names for d in dag.successors(n.name))
+        ]
         if len(exits) != 1:
-            raise GraphError(f"{region}: the selected nodes must have one output, found {[str(n) for n in exits]}")
+            raise GraphError(
+                f"{region}: the selected nodes must have one output, found {[str(n) for n in exits]}"
+            )
         return Subgraph(nodes, tuple(self.node(region, src) for src in inputs), exits[0])
 
     def replace(self, old: Subgraph, new: Node) -> None:
@@ -216,12 +231,17 @@ class Graph:
         """
         source = self.regions[scan.attrs["blocks"][-1]]
         if source.repeat % every:
-            raise GraphError(f"{source.name}: {source.repeat} layers do not split into groups of {every}")
+            raise GraphError(
+                f"{source.name}: {source.repeat} layers do not split into groups of {every}"
+            )
         steps = source.repeat // every
         copied = self.add_region(name, repeat=steps, function=function)
         copied.attrs = copy.deepcopy(source.attrs)
         for node_name, data in source.dag.nodes(data=True):
-            copied.dag.add_node(node_name, node=dataclasses.replace(data["node"], region=name, attrs=dict(data["node"].attrs)))
+            copied.dag.add_node(
+                node_name,
+                node=dataclasses.replace(data["node"], region=name, attrs=dict(data["node"].attrs)),
+            )
         copied.dag.add_edges_from(source.dag.edges(keys=True))
         copied.output = source.output
         source.repeat -= steps
@@ -232,7 +252,13 @@ class Graph:
         """Puts a new `op` node between `node` and the producer of its input `slot`; returns the new node."""
         dag = self.regions[node.region].dag
         producer = self.inputs(node)[slot]
-        new = self.add(node.region, f"{producer.name}_{op.kind}", op.kind, {"x": producer, **extra_inputs}, **op.attrs)
+        new = self.add(
+            node.region,
+            f"{producer.name}_{op.kind}",
+            op.kind,
+            {"x": producer, **extra_inputs},
+            **op.attrs,
+        )
         dag.remove_edge(producer.name, node.name, key=slot)
         dag.add_edge(new.name, node.name, key=slot)
         self._touch(node)

@@ -81,11 +81,37 @@ def _attention(ins, attrs, params):
     q, k, v = ins["q"], ins["k"], ins["v"]
     if k != v:
         raise ShapeError(f"k{k} and v{v} differ")
-    if q.axes != ("batch", "seq", "heads", "head_dim") or k.axes != ("batch", "seq", "kv_heads", "head_dim"):
-        raise ShapeError(f"expected q[batch, seq, heads, head_dim], k[batch, seq, kv_heads, head_dim]; got q{q}, k{k}")
+    if q.axes != ("batch", "seq", "heads", "head_dim") or k.axes != (
+        "batch",
+        "seq",
+        "kv_heads",
+        "head_dim",
+    ):
+        raise ShapeError(
+            f"expected q[batch, seq, heads, head_dim], k[batch, seq, kv_heads, head_dim]; got q{q}, k{k}"
+        )
     if q.size("heads") % k.size("kv_heads") or q.size("head_dim") != k.size("head_dim"):
         raise ShapeError(f"q{q} and k{k} do not group")
     return q
+
+
+def _moe(ins, attrs, params):
+    """x [batch, seq, embed] routed by router_logits [batch, seq, expert] through experts that map embed -> embed."""
+    x, logits = ins["x"], ins["router_logits"]
+    if logits.drop("expert") != x.drop("embed") or logits.axes[-1] != "expert":
+        raise ShapeError(f"router_logits{logits} do not route x{x}")
+    for role, param in params.items():
+        if param.type.axes[0] != "expert" or param.type.sizes[0] != logits.sizes[-1]:
+            raise ShapeError(
+                f"expert weight {role}{param.type} does not lead with expert={logits.sizes[-1]}"
+            )
+    if params["w_down"].type.axes[-1] != "embed" or params["w_up"].type.axes[1] != "embed":
+        raise ShapeError(
+            f"experts must map embed -> embed, got w_up{params['w_up'].type}, w_down{params['w_down'].type}"
+        )
+    if not 1 <= attrs["top_k"] <= logits.sizes[-1]:
+        raise ShapeError(f"top_k={attrs['top_k']} is not in [1, {logits.sizes[-1]}]")
+    return x
 
 
 def _lm_head(ins, attrs, params):
@@ -108,4 +134,5 @@ OPS: dict[str, OpDef] = {
     "add": OpDef(("x", "y"), _same_as("x", "y")),
     "scan": OpDef(("x", "positions"), _same_as("x")),
     "lm_head": OpDef(("x",), _lm_head),
+    "moe": OpDef(("x", "router_logits"), _moe),
 }

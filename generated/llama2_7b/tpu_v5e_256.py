@@ -48,7 +48,7 @@ CONFIG = {
     "seed": 0,
     "checkpoint_every": 100,  # steps
     "token_dtype": "uint16",  # of the flat token file
-    "flops_per_token": 42865287168,  # 6 x matmul params + causal attention
+    "flops_per_token": 42863689728,  # 6 x matmul weights used + causal attention
 }
 
 # --- target tpu-v5e-256, from backends/tpu.py --------------------------------------------------

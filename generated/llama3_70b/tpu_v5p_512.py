@@ -48,7 +48,7 @@ CONFIG = {
     "seed": 0,
     "checkpoint_every": 100,  # steps
     "token_dtype": "uint32",  # of the flat token file
-    "flops_per_token": 449230454784,  # 6 x matmul params + causal attention
+    "flops_per_token": 449222541312,  # 6 x matmul weights used + causal attention
 }
 
 # --- target tpu-v5p-512, from backends/tpu.py --------------------------------------------------

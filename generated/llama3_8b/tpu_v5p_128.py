@@ -48,7 +48,7 @@ CONFIG = {
     "seed": 0,
     "checkpoint_every": 100,  # steps
     "token_dtype": "uint32",  # of the flat token file
-    "flops_per_token": 51471998976,  # 6 x matmul params + causal attention
+    "flops_per_token": 51470401536,  # 6 x matmul weights used + causal attention
 }
 
 # --- target tpu-v5p-128, from backends/tpu.py --------------------------------------------------

@@ -48,7 +48,7 @@ CONFIG = {
     "seed": 0,
     "checkpoint_every": 100,  # steps
     "token_dtype": "uint16",  # of the flat token file
-    "flops_per_token": 5315328,  # 6 x matmul params + causal attention
+    "flops_per_token": 5308416,  # 6 x matmul weights used + causal attention
 }
 
 # --- target cpu-8, from backends/cpu.py --------------------------------------------------

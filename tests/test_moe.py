@@ -1,0 +1,179 @@
+"""Mixture of experts: HF Mixtral numerics, the auxiliary losses by hand, capacity dropping, mixed stacks, sharding."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from axgen.build import build, write_atomically
+from axgen.interop import hf_to_params, load_program
+from axgen.ir import cost
+from axgen.loader import load_spec
+from axgen.spec import SpecError
+from tests.conftest import ROOT, STEP_LINE, train_log
+
+FIXTURES = ROOT / "tests/fixtures"
+MOE_TINY = ROOT / "specs/moe_tiny.py"
+
+
+def program_for(tmp_path, spec_path, target="cpu-1", name="program"):
+    out = tmp_path / f"{name}.py"
+    write_atomically(out, build(spec_path, target).source)
+    return load_program(out)
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    fixture = np.load(FIXTURES / "hf_mixtral.npz")
+    program = program_for(
+        tmp_path_factory.mktemp("mixtral"), FIXTURES / "hf_mixtral_spec.py", name="mixtral"
+    )
+    state_dict = {k: fixture[k] for k in fixture.files if k.startswith(("model.", "lm_head."))}
+    return fixture, program, hf_to_params(state_dict, load_spec(FIXTURES / "hf_mixtral_spec.py"))
+
+
+def test_forward_matches_hf_mixtral_logits(mixtral):
+    fixture, program, params = mixtral
+    config = json.loads(str(fixture["config"]))
+    assert (config["num_local_experts"], config["num_experts_per_tok"]) == (4, 2)
+    logits = program.forward(params, fixture["input_ids"])
+    assert logits.dtype == np.float32
+    np.testing.assert_allclose(np.asarray(logits), fixture["logits"], atol=1e-4, rtol=1e-4)
+
+
+def load_balance_by_hand(router_logits, top_k):
+    """Switch Transformer's loss for one layer: experts * sum_e(fraction of top-k picks of e * mean prob of e)."""
+    probs = np.exp(router_logits - router_logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    num_tokens, num_experts = probs.shape
+    picks = np.zeros(num_experts)
+    for row in probs:
+        picks[np.argsort(-row)[:top_k]] += 1
+    return num_experts * np.sum(picks / num_tokens * probs.mean(0))
+
+
+def test_auxiliary_losses_match_the_formulas_by_hand(mixtral):
+    fixture, program, params = mixtral
+    router_logits = fixture["router_logits"].astype(
+        np.float64
+    )  # [layers, batch * seq, experts], from HF
+    _, aux = program.forward_with_aux(params, fixture["input_ids"])
+    per_layer = [load_balance_by_hand(layer, top_k=2) for layer in router_logits]
+    np.testing.assert_allclose(float(aux["load_balance_loss"]), np.mean(per_layer), rtol=1e-5)
+    z_loss = np.mean([np.mean(np.log(np.exp(layer).sum(-1)) ** 2) for layer in router_logits])
+    np.testing.assert_allclose(float(aux["router_z_loss"]), z_loss, rtol=1e-5)
+    # HF pools the layers' rows before the product; for one layer the two definitions agree.
+    _, _, one_layer = program.route(jnp.asarray(router_logits[0], jnp.float32), 2)
+    np.testing.assert_allclose(float(one_layer["load_balance_loss"]), per_layer[0], rtol=1e-5)
+    assert (
+        1.0 <= per_layer[0] <= 4.0
+    )  # top_k when balanced, num_experts when every token picks the same two
+
+
+def test_loss_adds_the_weighted_auxiliary_losses(mixtral):
+    fixture, program, params = mixtral
+    tokens = jnp.concatenate([fixture["input_ids"], fixture["input_ids"][:, :1]], axis=1)
+    loss, metrics = program.loss_fn(params, tokens)
+    expected = (
+        metrics["cross_entropy"] + 0.02 * metrics["load_balance_loss"]
+    )  # router_z_loss_weight=0 in the spec
+    np.testing.assert_allclose(float(loss), float(expected), rtol=1e-6)
+
+
+def capacity_variant(tmp_path, capacity_factor, every=1):
+    path = tmp_path / f"capacity_{capacity_factor}_{every}.py"
+    path.write_text(
+        "from specs.moe_tiny import spec as moe_tiny\n"
+        "from axgen.spec import features as F\n"
+        "moe = moe_tiny.feature('moe')\n"
+        f"spec = moe_tiny.replace(features=[moe_tiny.feature('rope'), moe.replace(capacity_factor={capacity_factor}, every={every})])\n"
+    )
+    return program_for(tmp_path, path, name=path.stem)
+
+
+def test_generous_capacity_drops_nothing_and_equals_dropless(tmp_path):
+    dropless = program_for(tmp_path, MOE_TINY, name="dropless")
+    roomy = capacity_variant(
+        tmp_path, capacity_factor=2.0, every=2
+    )  # 2 experts * 2 = every token fits
+    params = dropless.init_params(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 256)
+    logits, aux = roomy.forward_with_aux(params, tokens)
+    assert float(aux["dropped_fraction"]) == 0.0
+    np.testing.assert_allclose(
+        np.asarray(logits), np.asarray(dropless.forward(params, tokens)), atol=1e-5
+    )
+
+
+def test_tight_capacity_drops_the_overflow_and_reports_it(tmp_path):
+    program = capacity_variant(tmp_path, capacity_factor=0.5)
+    x = jax.random.normal(jax.random.key(0), (2, 16, 8))
+    router_logits = (
+        jnp.zeros((2, 16, 4)).at[:, :, 0].set(5.0).at[:, :, 1].set(4.0)
+    )  # all pick experts 0 and 1
+    w = jax.random.normal(jax.random.key(1), (4, 8, 12))
+    out, aux = program.moe_with_capacity(
+        x, router_logits, w, w, w.transpose(0, 2, 1), top_k=2, capacity_factor=0.5
+    )
+    # capacity = ceil(2 * 16 * 0.5 / 4) = 4 slots per expert: 8 of the 32 picks per sequence survive.
+    np.testing.assert_allclose(float(aux["dropped_fraction"]), 1 - 8 / 32)
+    assert np.all(np.asarray(out[:, 4:]) == 0), "tokens past the first four lose both choices"
+    assert np.all(np.abs(np.asarray(out[:, :4])) > 0)
+
+
+def test_mixed_stack_alternates_dense_and_moe_layers():
+    spec = load_spec(MOE_TINY)
+    built = build(MOE_TINY, "cpu-1")
+    assert {r.name: r.repeat for r in built.graph.blocks()} == {"layers": 2, "moe_layers": 2}
+    assert "moe_dropless" in built.source and "def layers_group(x, p, positions):" in built.source
+    # 2 dense + 2 MoE layers: each MoE layer adds a router and 3 more copies of the MLP.
+    dense = build(ROOT / "specs/llama_tiny.py", "cpu-1").graph
+    mlp = 3 * spec.d_model * spec.decoder.mlp.hidden_dim
+    assert cost.num_params(built.graph) == cost.num_params(dense) + 2 * (3 * mlp + spec.d_model * 4)
+
+
+def test_moe_every_must_divide_the_layers(tmp_path):
+    path = tmp_path / "bad.py"
+    path.write_text(
+        "from specs.moe_tiny import spec as moe_tiny\n"
+        "spec = moe_tiny.replace(features=[moe_tiny.feature('moe').replace(every=3)])\n"
+    )
+    with pytest.raises(
+        SpecError, match=r"bad.py:2: MoE.every=3 does not divide Decoder.num_layers=4"
+    ):
+        load_spec(path)
+
+
+def test_published_parameter_counts():
+    assert cost.num_params(build(ROOT / "specs/llama2_7b.py", "cpu-8").graph) == 6_738_415_616
+    assert cost.num_params(build(ROOT / "specs/mixtral_8x7b.py", "cpu-8").graph) == 46_702_792_704
+
+
+def test_moe_program_trains_on_eight_devices_and_logs_its_auxiliary_losses(corpus, tmp_path):
+    log = train_log(
+        ROOT / "generated/moe_tiny/cpu_8.py", corpus, tmp_path / "ckpt", 12, "--batch", "8"
+    )
+    losses = {int(step): float(loss) for step, loss in STEP_LINE.findall(log)}
+    assert losses[12] < losses[1] - 1.0, losses
+    last = log.splitlines()[-2]
+    assert (
+        last.startswith("step 12 |")
+        and "| load_balance_loss " in last
+        and "| router_z_loss " in last
+    ), last
+
+
+def test_expert_axis_shards_expert_weights_and_keeps_the_forward():
+    program = load_program(ROOT / "generated/moe_tiny/cpu_8.py")
+    params = program.init_params(jax.random.key(1))
+    tokens = jax.random.randint(jax.random.key(2), (8, 16), 0, 256)
+    single = program.forward(params, tokens)
+    axis_types = (jax.sharding.AxisType.Auto,) * 4
+    mesh = jax.make_mesh((2, 1, 2, 2), ("data", "fsdp", "expert", "model"), axis_types=axis_types)
+    with jax.set_mesh(mesh):
+        placed = jax.device_put(params, program.param_shardings(mesh))
+        assert placed["moe_layers"]["w_up"].sharding.spec[:2] == (None, "expert")
+        sharded = jax.jit(program.forward)(placed, tokens)
+    np.testing.assert_allclose(np.asarray(sharded), np.asarray(single), rtol=1e-5, atol=1e-5)
