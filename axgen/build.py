@@ -34,9 +34,9 @@ def default_output(spec_path: str | Path, target: str, root: Path = Path("genera
 
 def build(spec_path: str | Path, target: str) -> Built:
     spec = load_spec(spec_path)
-    graph = from_spec(spec)
-    passes = run_passes(graph, spec)
     plan = plan_for(spec, target)
+    graph = from_spec(spec)
+    passes = run_passes(graph, spec, plan.default_features)
     source = emit(graph, plan, spec, passes, display_path(str(spec_path)), output_name(target))
     return Built(spec, target, graph, source)
 

@@ -27,6 +27,7 @@ __all__ = [
     "Model",
     "Origin",
     "RMSNorm",
+    "Remat",
     "RoPE",
     "RopeScaling",
     "SpecError",
@@ -35,7 +36,17 @@ __all__ = [
 ]
 
 ACTIVATIONS = ("swiglu", "gelu")
+REMAT_POLICIES = (
+    "none",
+    "full",
+    "save_dots",
+    "save_dots_except_mlp",
+    "save_qkv_proj",
+    "save_out_proj",
+    "offload_dots",
+)
 _THIS_FILE = str(Path(__file__).resolve())
+_PACKAGE = Path(__file__).resolve().parent
 
 
 class SpecError(ValueError):
@@ -54,10 +65,13 @@ class Origin:
 
 
 def display_path(filename: str) -> str:
-    """A stable, short name for a spec file: `specs/x.py` for files in a `specs/` folder."""
+    """A stable, short name for a spec file: `specs/x.py` for files in a `specs/` folder, and `backends/x.py`
+    for a backend's own defaults, wherever the command runs."""
     path = Path(filename).resolve()
     if path.parent.name == "specs":
         return f"specs/{path.name}"
+    if path.is_relative_to(_PACKAGE):
+        return str(path.relative_to(_PACKAGE))
     try:
         return str(path.relative_to(Path.cwd()))
     except ValueError:
@@ -277,6 +291,10 @@ class Feature(SpecNode):
 
     pass_name: typing.ClassVar[str]
 
+    def requires(self) -> tuple[str, ...]:
+        """Chip capabilities the feature needs (`host_offload`, `int8`, `fp8`); a target without one is an error."""
+        return ()
+
     def summary(self) -> str:
         """`rope(theta=500000.0)`: how the feature is named in an emitted file's header."""
         args = ", ".join(
@@ -351,12 +369,30 @@ class MoE(Feature):
                 self.fail(name, "must be >= 0")
 
 
+@dataclass(frozen=True, kw_only=True)
+class Remat(Feature):
+    """Rematerialisation of each decoder layer: which matmul outputs the backward pass keeps, and which it
+    recomputes. `full` keeps only the layer inputs; `save_*` keep the named projections; `offload_dots` moves all
+    of them to pinned host memory; `none` keeps everything (overrides a backend's default)."""
+
+    pass_name: typing.ClassVar[str] = "remat"
+    policy: str = "full"
+
+    def validate(self) -> None:
+        if self.policy not in REMAT_POLICIES:
+            self.fail("policy", f"is not one of {', '.join(REMAT_POLICIES)}{suggest(self.policy, REMAT_POLICIES)}")
+
+    def requires(self) -> tuple[str, ...]:
+        return ("host_offload",) if self.policy.startswith("offload") else ()
+
+
 class features:  # noqa: N801 - a namespace, used as `features as F` in spec files
     """Feature constructors for `Model.features`: `F.rope(theta=5e5, scaling=F.rope_scaling(factor=8.0))`."""
 
     rope = RoPE
     rope_scaling = RopeScaling
     moe = MoE
+    remat = Remat
 
 
 # --- the model ---------------------------------------------------------------------------------------------------

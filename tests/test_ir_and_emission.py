@@ -45,7 +45,7 @@ def test_without_rope_feature_there_is_no_rope_anywhere():
 def test_emitted_files_import_only_the_allowed_libraries():
     import libcst as cst
 
-    allowed = {"argparse", "dataclasses", "math", "os", "time", "jax", "numpy", "optax", "orbax"}
+    allowed = {"argparse", "dataclasses", "functools", "math", "os", "time", "jax", "numpy", "optax", "orbax"}
     for path in sorted((ROOT / "generated").glob("*/*.py")):
         module = cst.parse_module(path.read_text())
         imported = set()

@@ -6,7 +6,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from axgen.spec import Model, SpecError
+from axgen.spec import Feature, Model, Remat, SpecError
 
 # Outermost first: `model` is innermost so its collectives use the fastest links between neighbouring devices.
 MESH_AXES = ("data", "fsdp", "expert", "model")
@@ -36,6 +36,7 @@ class Chip:
     peak_bf16_flops: float  # dense, per device
     hbm_bytes: int  # per device
     devices_per_host: int
+    capabilities: frozenset[str] = frozenset()  # what features may need: host_offload, int8, fp8
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,7 @@ class MeshRule:
     compute_dtype: str | None = None
     attention: str | None = None
     xla_flags: tuple[str, ...] = ()
+    remat: Remat | None = None
 
     def matches(self, target: str) -> bool:
         return re.fullmatch(self.pattern, target) is not None
@@ -73,6 +75,7 @@ class Family:
     compute_dtype: str
     attention: str  # "xla" | "cudnn"
     xla_flags: tuple[str, ...] = ()
+    remat: Remat | None = None  # the default when the spec has no remat feature
 
     def num_devices(self, target: str) -> int | None:
         match = re.fullmatch(self.pattern, target)
@@ -93,6 +96,7 @@ class Plan:
     compute_dtype: str
     attention: str
     xla_flags: tuple[str, ...]
+    default_features: tuple[Feature, ...]  # applied where the spec has no feature of the same name
     logical_axis_rules: tuple[tuple[str, tuple[str, ...]], ...] = LOGICAL_AXIS_RULES
     constrained_ops: frozenset[str] = field(default=frozenset({"embed", "add", "lm_head"}))
 
@@ -120,10 +124,23 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
         compute_dtype=rule.compute_dtype or family.compute_dtype,
         attention=rule.attention or family.attention,
         xla_flags=family.xla_flags + rule.xla_flags,
+        default_features=tuple(f for f in (rule.remat or family.remat,) if f is not None),
     )
+    _check_capabilities(plan, spec)
     batch_shards = plan.mesh_size(*dict(LOGICAL_AXIS_RULES)["batch"])
     if spec.train.global_batch % batch_shards:
         spec.train.fail(
             "global_batch", f"is not divisible by the {batch_shards} batch shards (data x fsdp x expert) of target {target}"
         )
     return plan
+
+
+def _check_capabilities(plan: Plan, spec: Model) -> None:
+    for feature in (*spec.features, *plan.default_features):
+        for need in feature.requires():
+            if need not in plan.chip.capabilities:
+                have = ", ".join(sorted(plan.chip.capabilities)) or "none of them"
+                raise SpecError(
+                    f"{feature.origin}: {feature.summary()} needs {need}, which target {plan.target} "
+                    f"({plan.chip.name}) does not have (it has {have})"
+                )

@@ -10,7 +10,14 @@ FAMILY = Family(
     pattern=r"cpu-(\d+)",
     display="cpu-N",
     # Nominal: one AVX2 core, 2 FMA units x 8 float32 lanes x 2 FLOPs x ~3 GHz.
-    chip=Chip("host CPU core", peak_bf16_flops=96e9, hbm_bytes=24 * 1024**3, devices_per_host=1024),
+    # XLA's CPU backend has a native int8 dot with int32 accumulation; fp8 and host offload it does not have.
+    chip=Chip(
+        "host CPU core",
+        peak_bf16_flops=96e9,
+        hbm_bytes=24 * 1024**3,
+        devices_per_host=1024,
+        capabilities=frozenset({"int8"}),
+    ),
     rules=(
         MeshRule(
             r"cpu-8",

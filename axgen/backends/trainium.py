@@ -4,17 +4,27 @@ No Neuron compiler is reachable from here: these programs are proven on CPU with
 """
 
 from axgen.backends.common import GIB, Chip, Family, MeshRule
+from axgen.spec import Remat
 
 FAMILY = Family(
     name="trainium",
     pattern=r"trn2-(\d+)",
     display="trn2-N",
     # Trainium2: ~667 TFLOP/s dense bf16 and 96 GiB HBM per chip.
-    chip=Chip("AWS Trainium2", peak_bf16_flops=667e12, hbm_bytes=96 * GIB, devices_per_host=16),
+    # fp8 matmuls run at twice the bf16 rate; there is no int8 path.
+    chip=Chip(
+        "AWS Trainium2",
+        peak_bf16_flops=667e12,
+        hbm_bytes=96 * GIB,
+        devices_per_host=16,
+        capabilities=frozenset({"fp8"}),
+    ),
     rules=(
         # Tensor parallelism over 4 chips keeps its all-reduces on the fastest NeuronLink ring; fsdp across.
         MeshRule(r"trn2-\d+", {"fsdp": -1, "model": 4}, why="model=4 inside a chip group, fsdp across"),
     ),
     compute_dtype="bfloat16",
     attention="xla",
+    # 96 GiB per chip, like H100's 80: keep every projection's output.
+    remat=Remat(policy="save_dots"),
 )

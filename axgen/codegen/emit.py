@@ -95,8 +95,7 @@ def _context(env, graph, plan, spec, passes, spec_path, output_name) -> dict:
         "plan": plan,
         "mesh_text": " ".join(f"{axis}={size}" for axis, size in plan.mesh),
         "mesh_dict": repr(dict(plan.mesh)),
-        "passes_text": " · ".join(f"{p.name}({_args(spec.feature(p.name))})" for p in passes)
-        or "none",
+        "passes_text": " · ".join(_pass_text(p.feature) for p in passes) or "none",
         "config": _config(spec, graph),
         "params_tree": _params_tree(graph),
         "helpers": _helpers(env, graph, ops),
@@ -114,14 +113,16 @@ def _context(env, graph, plan, spec, passes, spec_path, output_name) -> dict:
             k: v for node in graph.nodes() for k, v in node.attrs.get("aux_weights", {}).items()
         },
         "remat_policy": _remat_policy(graph),
+        "uses_checkpoint_name": any(n.attrs.get("checkpoint_name") for n in graph.nodes()),
         "uses_functools": bool(_remat_policy(graph))
         or any(n.attrs.get("quantize") for n in graph.nodes()),
         "aux_names": sorted({name for node in graph.nodes() for name in node.attrs.get("aux", ())}),
     }
 
 
-def _args(feature) -> str:
-    return feature.summary().partition("(")[2][:-1]
+def _pass_text(feature) -> str:
+    from_backend = feature.origin.file.startswith("backends/")
+    return feature.summary() + (f" (default of {feature.origin})" if from_backend else "")
 
 
 def _config(spec: Model, graph: Graph) -> list[tuple[str, str, str]]:

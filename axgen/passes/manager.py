@@ -57,10 +57,19 @@ def order(names: list[str], registry: dict[str, RegisteredPass] | None = None) -
     return [n for n in full if n in names]
 
 
-def run_passes(graph: Graph, spec: Model) -> list[RegisteredPass]:
-    """Applies every feature of `spec` by its pass, in dependency order; returns the passes run."""
-    by_name = {f.pass_name: f for f in spec.features}
-    for feature in spec.features:
+@dataclass(frozen=True)
+class AppliedPass:
+    registered: RegisteredPass
+    feature: Feature
+
+
+def run_passes(graph: Graph, spec: Model, defaults: tuple[Feature, ...] = ()) -> list[AppliedPass]:
+    """Applies every feature of `spec` by its pass, in dependency order; returns the passes run.
+
+    `defaults` are a backend's features, applied where the spec has none of the same name: the spec's choice wins.
+    """
+    by_name = {f.pass_name: f for f in defaults} | {f.pass_name: f for f in spec.features}
+    for feature in by_name.values():
         if feature.pass_name not in _REGISTRY:
             raise SpecError(
                 f"{feature.origin}: feature {feature.pass_name!r} has no pass in axgen/passes/"
@@ -71,5 +80,5 @@ def run_passes(graph: Graph, spec: Model) -> list[RegisteredPass]:
         registered_pass = _REGISTRY[name]
         with graph.applying(name, str(by_name[name].origin)):
             registered_pass.fn(graph, by_name[name])
-        ran.append(registered_pass)
+        ran.append(AppliedPass(registered_pass, by_name[name]))
     return ran
