@@ -36,7 +36,7 @@ def build(spec_path: str | Path, target: str) -> Built:
     spec = load_spec(spec_path)
     plan = plan_for(spec, target)
     graph = from_spec(spec)
-    passes = run_passes(graph, spec, plan.default_features)
+    passes = run_passes(graph, plan.features)
     source = emit(graph, plan, spec, passes, display_path(str(spec_path)), output_name(target))
     return Built(spec, target, graph, source)
 

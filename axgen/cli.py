@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from axgen.backends import FAMILIES, family_for
+from axgen.backends import FAMILIES, family_for, plan_for
 from axgen.build import build, default_output, write_atomically
 from axgen.corpus import write_token_file
 from axgen.ir import GraphError, from_spec
@@ -41,6 +41,7 @@ def _parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("graph", help="print the IR of a spec, before or after its passes")
     g.add_argument("spec")
+    g.add_argument("--target", help="whose backend completes the features (default: the spec's first target)")
     g.add_argument("--before-passes", action="store_true")
     g.set_defaults(run=_graph)
 
@@ -97,7 +98,7 @@ def _graph(args) -> int:
     spec = load_spec(args.spec)
     graph = from_spec(spec)
     if not args.before_passes:
-        run_passes(graph, spec)
+        run_passes(graph, plan_for(spec, args.target or spec.targets[0]).features)
     print(graph.dump(), end="")
     return 0
 

@@ -26,6 +26,7 @@ __all__ = [
     "MoE",
     "Model",
     "Origin",
+    "Quantize",
     "RMSNorm",
     "Remat",
     "RoPE",
@@ -36,6 +37,7 @@ __all__ = [
 ]
 
 ACTIVATIONS = ("swiglu", "gelu")
+QUANTIZE_DTYPES = ("int8", "fp8")
 REMAT_POLICIES = (
     "none",
     "full",
@@ -295,12 +297,16 @@ class Feature(SpecNode):
         """Chip capabilities the feature needs (`host_offload`, `int8`, `fp8`); a target without one is an error."""
         return ()
 
+    def for_target(self, preferences: typing.Mapping[str, str]) -> Feature:
+        """This feature with the fields it leaves to the target filled from the backend's `preferences`."""
+        return self
+
     def summary(self) -> str:
         """`rope(theta=500000.0)`: how the feature is named in an emitted file's header."""
         args = ", ".join(
             f"{f.name}={getattr(self, f.name)}"
             for f in dataclasses.fields(self)
-            if f.name != "origin" and getattr(self, f.name) is not None
+            if f.name != "origin" and getattr(self, f.name) not in (None, False)
         )
         return f"{self.pass_name}({args})"
 
@@ -386,6 +392,37 @@ class Remat(Feature):
         return ("host_offload",) if self.policy.startswith("offload") else ()
 
 
+@dataclass(frozen=True, kw_only=True)
+class Quantize(Feature):
+    """Quantized matmuls for the projections whose `region/node` name matches `include` and not `exclude`
+    (default: every projection of the decoder blocks except an MoE router; the output head only when `include`
+    names `main/logits`). `dtype=None` takes the target's preferred dtype: int8 on TPU, fp8 on H100 and Trainium.
+    A target without the dtype is an error unless `emulate=True`, which runs the same arithmetic in wider types."""
+
+    pass_name: typing.ClassVar[str] = "quantize"
+    dtype: str | None = None
+    include: str | None = None
+    exclude: str | None = None
+    emulate: bool = False
+
+    def validate(self) -> None:
+        if self.dtype is not None and self.dtype not in QUANTIZE_DTYPES:
+            self.fail("dtype", f"is not one of {', '.join(QUANTIZE_DTYPES)}{suggest(self.dtype, QUANTIZE_DTYPES)}")
+        for name in ("include", "exclude"):
+            try:
+                re.compile(getattr(self, name) or "")
+            except re.error as err:
+                self.fail(name, f"is not a regular expression ({err})")
+
+    def requires(self) -> tuple[str, ...]:
+        return () if self.emulate or self.dtype is None else (self.dtype,)
+
+    def for_target(self, preferences: typing.Mapping[str, str]) -> Feature:
+        if self.dtype is not None:
+            return self
+        return dataclasses.replace(self, dtype=preferences["quantize_dtype"])
+
+
 class features:  # noqa: N801 - a namespace, used as `features as F` in spec files
     """Feature constructors for `Model.features`: `F.rope(theta=5e5, scaling=F.rope_scaling(factor=8.0))`."""
 
@@ -393,6 +430,7 @@ class features:  # noqa: N801 - a namespace, used as `features as F` in spec fil
     rope_scaling = RopeScaling
     moe = MoE
     remat = Remat
+    quantize = Quantize
 
 
 # --- the model ---------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ def test_dump_before_and_after_rope(snapshot):
     spec = load_spec(TINY)
     graph = from_spec(spec)
     before = graph.dump()
-    run_passes(graph, spec)
+    run_passes(graph, spec.features)
     assert before == snapshot(name="before")
     assert graph.dump() == snapshot(name="after_rope")
     assert len(list(graph.nodes(op="rope"))) == 2
@@ -38,7 +38,7 @@ def test_generated_tree_is_current():
 def test_without_rope_feature_there_is_no_rope_anywhere():
     spec = load_spec(TINY).replace(features=[])
     graph = from_spec(spec)
-    run_passes(graph, spec)
+    run_passes(graph, spec.features)
     assert not list(graph.nodes(op="rope"))
 
 
@@ -70,7 +70,7 @@ def test_unknown_feature_is_a_clear_error(tmp_path):
 
     spec = load_spec(TINY).replace(features=[Sparsify()])
     with pytest.raises(SpecError, match=r"feature 'sparsify' has no pass in axgen/passes/"):
-        run_passes(from_spec(spec), spec)
+        run_passes(from_spec(spec), spec.features)
 
 
 def test_pass_ordering_follows_constraints_and_rejects_cycles():

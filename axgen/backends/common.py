@@ -50,6 +50,7 @@ class MeshRule:
     attention: str | None = None
     xla_flags: tuple[str, ...] = ()
     remat: Remat | None = None
+    quantize_dtype: str | None = None
 
     def matches(self, target: str) -> bool:
         return re.fullmatch(self.pattern, target) is not None
@@ -76,6 +77,7 @@ class Family:
     attention: str  # "xla" | "cudnn"
     xla_flags: tuple[str, ...] = ()
     remat: Remat | None = None  # the default when the spec has no remat feature
+    quantize_dtype: str = "int8"  # what `quantize(dtype=None)` becomes
 
     def num_devices(self, target: str) -> int | None:
         match = re.fullmatch(self.pattern, target)
@@ -96,7 +98,7 @@ class Plan:
     compute_dtype: str
     attention: str
     xla_flags: tuple[str, ...]
-    default_features: tuple[Feature, ...]  # applied where the spec has no feature of the same name
+    features: tuple[Feature, ...]  # the spec's, completed for this target, and the backend's defaults
     logical_axis_rules: tuple[tuple[str, tuple[str, ...]], ...] = LOGICAL_AXIS_RULES
     constrained_ops: frozenset[str] = field(default=frozenset({"embed", "add", "lm_head"}))
 
@@ -124,9 +126,9 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
         compute_dtype=rule.compute_dtype or family.compute_dtype,
         attention=rule.attention or family.attention,
         xla_flags=family.xla_flags + rule.xla_flags,
-        default_features=tuple(f for f in (rule.remat or family.remat,) if f is not None),
+        features=_features(spec, rule, family),
     )
-    _check_capabilities(plan, spec)
+    _check_capabilities(plan)
     batch_shards = plan.mesh_size(*dict(LOGICAL_AXIS_RULES)["batch"])
     if spec.train.global_batch % batch_shards:
         spec.train.fail(
@@ -135,8 +137,16 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
     return plan
 
 
-def _check_capabilities(plan: Plan, spec: Model) -> None:
-    for feature in (*spec.features, *plan.default_features):
+def _features(spec: Model, rule: MeshRule, family: Family) -> tuple[Feature, ...]:
+    """The spec's features with target-chosen fields filled in, then the backend's defaults the spec lacks."""
+    preferences = {"quantize_dtype": rule.quantize_dtype or family.quantize_dtype}
+    chosen = tuple(f.for_target(preferences) for f in spec.features)
+    defaults = [f for f in (rule.remat or family.remat,) if f is not None]
+    return chosen + tuple(f for f in defaults if spec.feature(f.pass_name) is None)
+
+
+def _check_capabilities(plan: Plan) -> None:
+    for feature in plan.features:
         for need in feature.requires():
             if need not in plan.chip.capabilities:
                 have = ", ".join(sorted(plan.chip.capabilities)) or "none of them"

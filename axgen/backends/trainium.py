@@ -27,4 +27,5 @@ FAMILY = Family(
     attention="xla",
     # 96 GiB per chip, like H100's 80: keep every projection's output.
     remat=Remat(policy="save_dots"),
+    quantize_dtype="fp8",
 )

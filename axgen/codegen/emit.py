@@ -199,12 +199,14 @@ def _param_entry(param, stack: int | None = None) -> str:
 
 
 def _helpers(env, graph: Graph, ops: set[str]) -> list[str]:
-    families = sorted({OP_TEMPLATES[op] for op in ops if op in OP_TEMPLATES})
+    families = sorted({OP_TEMPLATES[op] for op in ops if op in OP_TEMPLATES} | ({"quantize"} if _quantized(graph) else set()))
     helpers = []
     for family in families:
         module = env.get_template(f"ops/{family}.j2").module
         if family == "rope":
             helpers.append(module.helpers(ops, next(graph.nodes(op="rope")).attrs["scaling"]))
+        elif family == "quantize":
+            helpers.append(module.helpers(ops, _quantized(graph)))
         elif family == "moe":
             helpers.append(module.helpers(ops, list(graph.nodes(op="moe"))))
         else:
@@ -227,6 +229,10 @@ def _block(env, graph: Graph, plan: Plan, region) -> dict:
         ),
         "remat": region.attrs.get("remat"),
     }
+
+
+def _quantized(graph: Graph) -> set[str]:
+    return {node.attrs["quantize"] for node in graph.nodes() if node.attrs.get("quantize")}
 
 
 def _remat_policy(graph: Graph) -> dict | None:
@@ -309,11 +315,16 @@ def _lines(env, graph: Graph, plan: Plan, region: str, param_root: str) -> list[
 
 
 def _provenance(node: Node, plan: Plan) -> str:
+    """`# label · passes/made_by.py · kernel · spec line · changed by passes/x.py`: where the statement comes from."""
     where = [node.label]
     where += [f"passes/{p}.py" for p in node.passes if p == node.label]
     if node.op == "attention":
         where.append(f"kernel {plan.attention} ({plan.backend_file})")
-    return "# " + " · ".join([*where, node.source])
+    where.append(node.source)
+    changed = [f"passes/{p}.py" for p in node.passes if p != node.label]
+    if changed:
+        where.append("changed by " + ", ".join(changed))
+    return "# " + " · ".join(where)
 
 
 def _statement(env, graph: Graph, node: Node, param_root: str) -> str:

@@ -7,13 +7,14 @@ feature with no registered pass is a clear error.
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import networkx as nx
 
 from axgen.ir import Graph
-from axgen.spec import Feature, Model, SpecError, suggest
+from axgen.spec import Feature, SpecError, suggest
 
 
 class PassError(ValueError):
@@ -63,13 +64,10 @@ class AppliedPass:
     feature: Feature
 
 
-def run_passes(graph: Graph, spec: Model, defaults: tuple[Feature, ...] = ()) -> list[AppliedPass]:
-    """Applies every feature of `spec` by its pass, in dependency order; returns the passes run.
-
-    `defaults` are a backend's features, applied where the spec has none of the same name: the spec's choice wins.
-    """
-    by_name = {f.pass_name: f for f in defaults} | {f.pass_name: f for f in spec.features}
-    for feature in by_name.values():
+def run_passes(graph: Graph, features: typing.Sequence[Feature]) -> list[AppliedPass]:
+    """Applies each feature by its pass, in dependency order; returns the passes run."""
+    by_name = {f.pass_name: f for f in features}
+    for feature in features:
         if feature.pass_name not in _REGISTRY:
             raise SpecError(
                 f"{feature.origin}: feature {feature.pass_name!r} has no pass in axgen/passes/"

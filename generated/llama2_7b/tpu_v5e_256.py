@@ -203,7 +203,7 @@ def decoder_layer(x, p, positions):
     """One of the 32 layers: x [batch, seq, embed] -> same. `p` holds this layer's params."""
     # norm · specs/llama2_7b.py:14
     attn_norm = rms_norm(x, p["attn_norm"], eps=1e-05)  # [batch, seq, embed=4096]
-    # attention · specs/llama2_7b.py:12
+    # attention · specs/llama2_7b.py:12 · changed by passes/remat.py
     q = checkpoint_name(
         jnp.einsum("bse,ehd->bshd", attn_norm, p["wq"]), "qkv_proj"
     )  # [batch, seq, heads=32, head_dim=128]
@@ -216,27 +216,31 @@ def decoder_layer(x, p, positions):
     # rope · passes/rope.py · specs/llama2_7b.py:16
     q_rope = rope(q, positions, theta=10000.0)  # [batch, seq, heads=32, head_dim=128]
     k_rope = rope(k, positions, theta=10000.0)  # [batch, seq, kv_heads=32, head_dim=128]
-    # attention · kernel xla (backends/tpu.py) · specs/llama2_7b.py:12
+    # attention · kernel xla (backends/tpu.py) · specs/llama2_7b.py:12 · changed by passes/rope.py
     attn = jax.nn.dot_product_attention(
         q_rope, k_rope, v, is_causal=True, implementation=ATTENTION_IMPL
     )  # [batch, seq, heads=32, head_dim=128]
-    # attention · specs/llama2_7b.py:12
+    # attention · specs/llama2_7b.py:12 · changed by passes/remat.py
     attn_out = checkpoint_name(
         jnp.einsum("bshd,hde->bse", attn, p["wo"]), "out_proj"
     )  # [batch, seq, embed=4096]
+    # attention · specs/llama2_7b.py:12
     x_attn = x + attn_out  # [batch, seq, embed=4096]
     x_attn = constrain(x_attn, ("batch", "seq", "embed"))
     # norm · specs/llama2_7b.py:14
     mlp_norm = rms_norm(x_attn, p["mlp_norm"], eps=1e-05)  # [batch, seq, embed=4096]
-    # mlp · specs/llama2_7b.py:13
+    # mlp · specs/llama2_7b.py:13 · changed by passes/remat.py
     gate = checkpoint_name(
         jnp.einsum("bse,ef->bsf", mlp_norm, p["w_gate"]), "mlp_in"
     )  # [batch, seq, mlp=11008]
     up = checkpoint_name(jnp.einsum("bse,ef->bsf", mlp_norm, p["w_up"]), "mlp_in")  # [batch, seq, mlp=11008]
+    # mlp · specs/llama2_7b.py:13
     hidden = jax.nn.silu(gate) * up  # [batch, seq, mlp=11008]
+    # mlp · specs/llama2_7b.py:13 · changed by passes/remat.py
     mlp_out = checkpoint_name(
         jnp.einsum("bsf,fe->bse", hidden, p["w_down"]), "mlp_out"
     )  # [batch, seq, embed=4096]
+    # mlp · specs/llama2_7b.py:13
     x_mlp = x_attn + mlp_out  # [batch, seq, embed=4096]
     x_mlp = constrain(x_mlp, ("batch", "seq", "embed"))
     return x_mlp
@@ -326,7 +330,7 @@ def train_step(state, tokens):
     loss, grads = jax.value_and_grad(loss_fn)(state["params"], tokens)
     updates, opt_state = OPTIMIZER.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": LEARNING_RATE(state["step"])}
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": LEARNING_RATE(state["step"])}
     return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
 

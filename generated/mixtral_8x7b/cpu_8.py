@@ -247,7 +247,7 @@ def decoder_layer(x, p, positions):
     # rope · passes/rope.py · specs/mistral_7b.py:16
     q_rope = rope(q, positions, theta=1000000.0)  # [batch, seq, heads=32, head_dim=128]
     k_rope = rope(k, positions, theta=1000000.0)  # [batch, seq, kv_heads=8, head_dim=128]
-    # attention · kernel xla (backends/cpu.py) · specs/mistral_7b.py:12
+    # attention · kernel xla (backends/cpu.py) · specs/mistral_7b.py:12 · changed by passes/rope.py
     attn = jax.nn.dot_product_attention(
         q_rope, k_rope, v, is_causal=True, implementation=ATTENTION_IMPL
     )  # [batch, seq, heads=32, head_dim=128]
@@ -262,7 +262,7 @@ def decoder_layer(x, p, positions):
     moe, moe_aux = moe_dropless(
         mlp_norm, router, p["w_gate"], p["w_up"], p["w_down"], top_k=2
     )  # [batch, seq, embed=4096]
-    # mlp · specs/mistral_7b.py:13
+    # mlp · specs/mistral_7b.py:13 · changed by passes/moe.py
     x_mlp = x_attn + moe  # [batch, seq, embed=4096]
     x_mlp = constrain(x_mlp, ("batch", "seq", "embed"))
     return x_mlp, moe_aux
@@ -361,7 +361,7 @@ def train_step(state, tokens):
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], tokens)
     updates, opt_state = OPTIMIZER.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": LEARNING_RATE(state["step"])}
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": LEARNING_RATE(state["step"])}
     metrics.update(aux)
     return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 

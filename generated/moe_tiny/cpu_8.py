@@ -258,7 +258,7 @@ def decoder_layer(x, p, positions):
     # rope · passes/rope.py · specs/llama_tiny.py:16
     q_rope = rope(q, positions, theta=10000.0)  # [batch, seq, heads=4, head_dim=32]
     k_rope = rope(k, positions, theta=10000.0)  # [batch, seq, kv_heads=2, head_dim=32]
-    # attention · kernel xla (backends/cpu.py) · specs/llama_tiny.py:12
+    # attention · kernel xla (backends/cpu.py) · specs/llama_tiny.py:12 · changed by passes/rope.py
     attn = jax.nn.dot_product_attention(
         q_rope, k_rope, v, is_causal=True, implementation=ATTENTION_IMPL
     )  # [batch, seq, heads=4, head_dim=32]
@@ -289,7 +289,7 @@ def moe_decoder_layer(x, p, positions):
     # rope · passes/rope.py · specs/llama_tiny.py:16
     q_rope = rope(q, positions, theta=10000.0)  # [batch, seq, heads=4, head_dim=32]
     k_rope = rope(k, positions, theta=10000.0)  # [batch, seq, kv_heads=2, head_dim=32]
-    # attention · kernel xla (backends/cpu.py) · specs/llama_tiny.py:12
+    # attention · kernel xla (backends/cpu.py) · specs/llama_tiny.py:12 · changed by passes/rope.py
     attn = jax.nn.dot_product_attention(
         q_rope, k_rope, v, is_causal=True, implementation=ATTENTION_IMPL
     )  # [batch, seq, heads=4, head_dim=32]
@@ -304,7 +304,7 @@ def moe_decoder_layer(x, p, positions):
     moe, moe_aux = moe_dropless(
         mlp_norm, router, p["w_gate"], p["w_up"], p["w_down"], top_k=2
     )  # [batch, seq, embed=128]
-    # mlp · specs/llama_tiny.py:13
+    # mlp · specs/llama_tiny.py:13 · changed by passes/moe.py
     x_mlp = x_attn + moe  # [batch, seq, embed=128]
     x_mlp = constrain(x_mlp, ("batch", "seq", "embed"))
     return x_mlp, moe_aux
@@ -331,7 +331,7 @@ def forward_with_aux(params, tokens):
     # embedding · specs/moe_tiny.py:6
     embed = jnp.take(params["embed"], tokens, axis=0)  # [batch, seq, embed=128]
     embed = constrain(embed, ("batch", "seq", "embed"))
-    # decoder · specs/llama_tiny.py:10
+    # decoder · specs/llama_tiny.py:10 · changed by passes/moe.py
     layers, layers_aux = jax.lax.scan(
         lambda x, p: layers_group(x, p, positions),
         embed,
@@ -417,7 +417,7 @@ def train_step(state, tokens):
     (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], tokens)
     updates, opt_state = OPTIMIZER.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": loss, "grad_norm": optax.global_norm(grads), "lr": LEARNING_RATE(state["step"])}
+    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": LEARNING_RATE(state["step"])}
     metrics.update(aux)
     return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 

@@ -1,0 +1,31 @@
+"""Quantization: the chosen projections become quantized dots (int8 or fp8) with straight-through gradients.
+
+Selects `linear` and `lm_head` nodes by their `region/node` name; by default every projection of the decoder
+blocks but an MoE router, whose top-k choice is too sensitive to rounding.
+"""
+
+import re
+
+from axgen.ir import Graph, Node
+from axgen.passes.manager import PassError, register
+from axgen.spec import Quantize
+
+
+def _selected(node: Node, cfg: Quantize) -> bool:
+    name = str(node)
+    if cfg.include is None:
+        wanted = node.region != "main" and node.name != "router"
+    else:
+        wanted = re.fullmatch(cfg.include, name) is not None
+    return wanted and not (cfg.exclude and re.fullmatch(cfg.exclude, name))
+
+
+@register("quantize", after=("moe",), before=("remat",))
+def quantize(g: Graph, cfg: Quantize) -> None:
+    dots = [n for n in g.nodes() if n.op in ("linear", "lm_head")]
+    chosen = [n for n in dots if _selected(n, cfg)]
+    if not chosen:
+        names = ", ".join(str(n) for n in dots)
+        raise PassError(f"{cfg.origin}: {cfg.summary()} selects none of the projections: {names}")
+    for node in chosen:
+        g.update(node, quantize=cfg.dtype)
