@@ -12,6 +12,7 @@ from axgen.codegen import emit
 from axgen.ir import Graph, from_spec
 from axgen.loader import load_spec
 from axgen.passes import run_passes
+from axgen.passes.manager import AppliedPass
 from axgen.spec import Model, display_path
 
 
@@ -20,6 +21,7 @@ class Built:
     spec: Model
     target: str
     graph: Graph
+    passes: list[AppliedPass]
     source: str
 
 
@@ -38,7 +40,7 @@ def build(spec_path: str | Path, target: str) -> Built:
     graph = from_spec(spec)
     passes = run_passes(graph, plan.features)
     source = emit(graph, plan, spec, passes, display_path(str(spec_path)), output_name(target))
-    return Built(spec, target, graph, source)
+    return Built(spec, target, graph, passes, source)
 
 
 def write_atomically(path: Path, text: str) -> None:

@@ -1,4 +1,4 @@
-"""`axgen build | graph | targets | corpus`: the command line. Errors are one line and exit 2."""
+"""`axgen build | graph | explain | targets | corpus`: the command line. Errors are one line and exit 2."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from pathlib import Path
 from axgen.backends import FAMILIES, family_for, plan_for
 from axgen.build import build, default_output, write_atomically
 from axgen.corpus import write_token_file
+from axgen.explain import explain, render
 from axgen.ir import GraphError, from_spec
 from axgen.loader import load_spec
 from axgen.passes import PassError, run_passes
@@ -44,6 +45,11 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--target", help="whose backend completes the features (default: the spec's first target)")
     g.add_argument("--before-passes", action="store_true")
     g.set_defaults(run=_graph)
+
+    e = sub.add_parser("explain", help="per pass: nodes rewritten, layers touched, and the pass's lines of code")
+    e.add_argument("spec")
+    e.add_argument("--target", help="default: the spec's first target")
+    e.set_defaults(run=_explain)
 
     t = sub.add_parser("targets", help="list the target patterns and their mesh rules")
     t.set_defaults(run=_targets)
@@ -100,6 +106,15 @@ def _graph(args) -> int:
     if not args.before_passes:
         run_passes(graph, plan_for(spec, args.target or spec.targets[0]).features)
     print(graph.dump(), end="")
+    return 0
+
+
+def _explain(args) -> int:
+    spec = load_spec(args.spec)
+    target = args.target or spec.targets[0]
+    family_for(spec, target)
+    built = build(args.spec, target)
+    print(render(built, explain(built)), end="")
     return 0
 
 

@@ -21,6 +21,14 @@ class PassError(ValueError):
     pass
 
 
+class FeatureConflict(Exception):
+    """Raised by a pass that cannot work with what another pass made; the manager names both features."""
+
+    def __init__(self, other_pass: str, reason: str):
+        super().__init__(reason)
+        self.other_pass, self.reason = other_pass, reason
+
+
 @dataclass(frozen=True)
 class RegisteredPass:
     name: str
@@ -76,7 +84,15 @@ def run_passes(graph: Graph, features: typing.Sequence[Feature]) -> list[Applied
     ran = []
     for name in order(list(by_name)):
         registered_pass = _REGISTRY[name]
-        with graph.applying(name, str(by_name[name].origin)):
-            registered_pass.fn(graph, by_name[name])
+        feature = by_name[name]
+        with graph.applying(name, str(feature.origin)):
+            try:
+                registered_pass.fn(graph, feature)
+            except FeatureConflict as conflict:
+                other = by_name[conflict.other_pass]
+                raise SpecError(
+                    f"{feature.origin}: {feature.summary()} cannot be combined with {other.summary()} "
+                    f"({other.origin}): {conflict.reason}"
+                ) from None
         ran.append(AppliedPass(registered_pass, by_name[name]))
     return ran

@@ -7,7 +7,7 @@ blocks but an MoE router, whose top-k choice is too sensitive to rounding.
 import re
 
 from axgen.ir import Graph, Node
-from axgen.passes.manager import PassError, register
+from axgen.passes.manager import FeatureConflict, PassError, register
 from axgen.spec import Quantize
 
 
@@ -22,6 +22,9 @@ def _selected(node: Node, cfg: Quantize) -> bool:
 
 @register("quantize", after=("moe",), before=("remat",))
 def quantize(g: Graph, cfg: Quantize) -> None:
+    for experts in g.nodes(op="moe"):
+        if cfg.include and re.fullmatch(cfg.include, str(experts)):
+            raise FeatureConflict("moe", f"include selects {experts}, whose ragged expert dots have no quantized form")
     dots = [n for n in g.nodes() if n.op in ("linear", "lm_head")]
     chosen = [n for n in dots if _selected(n, cfg)]
     if not chosen:

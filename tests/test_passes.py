@@ -1,0 +1,83 @@
+"""All feature passes together: the IR after each pass (snapshots), `axgen explain`, a program that uses them
+all, and the error for features that cannot work together."""
+
+import jax
+import numpy as np
+import pytest
+
+from axgen.backends import plan_for
+from axgen.build import build
+from axgen.cli import main as axgen
+from axgen.explain import explain, logic_lines
+from axgen.interop import load_program
+from axgen.ir import from_spec
+from axgen.loader import load_spec
+from axgen.passes import run_passes
+from axgen.passes.manager import order
+from axgen.spec import SpecError
+from tests.conftest import ROOT
+
+ALL_FEATURES = ROOT / "specs/features_tiny.py"
+
+
+def test_ir_after_each_pass(snapshot):
+    spec = load_spec(ALL_FEATURES)
+    features = {f.pass_name: f for f in plan_for(spec, "cpu-1").features}
+    graph = from_spec(spec)
+    assert order(list(features)) == ["moe", "quantize", "remat", "rope"]
+    for name in order(list(features)):
+        run_passes(graph, [features[name]])
+        assert graph.dump() == snapshot(name=f"after_{name}")
+
+
+def test_a_program_with_every_feature_trains():
+    program = load_program(ROOT / "generated/features_tiny/cpu_1.py")
+    state = program.init_state(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 256)
+    step = jax.jit(program.train_step)
+    first = None
+    for _ in range(5):
+        state, metrics = step(state, tokens)
+        first = first or float(metrics["loss"])
+    assert float(metrics["loss"]) < first and np.isfinite(float(metrics["load_balance_loss"]))
+
+
+def test_explain_counts_what_each_pass_did(capsys):
+    reports = {r.name: r for r in explain(build(ROOT / "specs/llama2_7b.py", "tpu-v5e-256"))}
+    assert (reports["rope"].nodes, reports["rope"].instances, reports["rope"].layers) == (3, 96, 32)
+    assert (reports["remat"].nodes, reports["remat"].instances) == (7, 224)  # q, k, v, wo, gate, up, down
+    assert reports["remat"].origin.startswith("backends/tpu.py:")
+    assert 0 < reports["rope"].logic_lines < reports["rope"].file_lines
+    moe = {r.name: r for r in explain(build(ROOT / "specs/moe_tiny.py", "cpu-8"))}["moe"]
+    assert (moe.layers, moe.main_nodes) == (2, 1)  # every second layer, and the scan that now runs two blocks
+    assert axgen(["explain", "specs/moe_tiny.py", "--target", "cpu-8"]) == 0
+    assert "\nmoe   moe(num_experts=4" in capsys.readouterr().out
+
+
+def test_logic_lines_skip_docstrings_comments_imports_and_blanks():
+    source = '"""Module."""\n\nimport re\n\n\ndef f(x):\n    """Doc\n    string."""\n    # why\n    return (x +\n            1)\n'
+    assert logic_lines(source) == 3
+
+
+def test_features_that_cannot_work_together_name_both(tmp_path):
+    path = tmp_path / "conflict.py"
+    path.write_text(
+        "from specs.features_tiny import spec as tiny\n"
+        "from axgen.spec import features as F\n"
+        "spec = tiny.replace(features=[*tiny.features[:3], F.quantize(dtype='int8', include='.*')])\n"
+    )
+    with pytest.raises(SpecError) as error:
+        build(path, "cpu-1")
+    message = str(error.value)
+    assert "conflict.py:3: quantize(dtype=int8, include=.*) cannot be combined with moe(" in message
+    assert "(specs/moe_tiny.py:10): include selects moe_layers/moe" in message
+
+
+@pytest.mark.parametrize("target", ["tpu_v5e_8", "gpu_h100_8"])
+def test_every_target_of_the_all_features_spec_runs_here(target, monkeypatch):
+    monkeypatch.setenv("AXGEN_XLA_KERNELS", "1")
+    program = load_program(ROOT / f"generated/features_tiny/{target}.py")
+    params = program.init_params(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
+    loss, metrics = program.loss_fn(params, jax.numpy.concatenate([tokens, tokens[:, :1]], axis=1))
+    assert np.isfinite(float(loss)) and abs(float(metrics["cross_entropy"]) - np.log(256)) < 0.5
