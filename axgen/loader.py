@@ -14,6 +14,7 @@ from axgen.spec import Model, SpecError, display_path, suggest
 
 _AXGEN_DIR = str(Path(__file__).resolve().parent)
 _UNEXPECTED = re.compile(r"(\w+)\.__init__\(\) got an unexpected keyword argument '(\w+)'")
+_MISSING = re.compile(r"(\w+)\.__init__\(\) missing \d+ required keyword-only arguments?: (.+)")
 
 
 def load_spec(path: str | Path) -> Model:
@@ -72,4 +73,8 @@ def _describe(err: Exception) -> str:
         cls = getattr(spec_module, cls_name, None)
         fields = [f.name for f in dataclasses.fields(cls) if f.name != "origin"] if cls else []
         return f"{cls_name} has no field {field_name!r}{suggest(field_name, fields)}"
+    missing = _MISSING.search(message)
+    if missing:
+        cls_name, names = missing.groups()
+        return f"{cls_name} needs {names.replace(' and ', ', ')} (they have no default)"
     return f"{type(err).__name__}: {message}"

@@ -42,6 +42,18 @@ BAD_SPECS = [
      "Model.name='Bad Model' must be lower-case letters, digits, '.', '_' or '-'"),
     ("unknown_feature_arg", "F.rope(theta=10_000.0)", "F.rope(thetta=1.0)", 14,
      "RoPE has no field 'thetta'; did you mean 'theta'?"),
+    ("moe_top_k", "F.rope(theta=10_000.0)",
+     "F.moe(num_experts=4, top_k=5, aux_loss_weight=0.01, router_z_loss_weight=0.0)", 14,
+     "MoE.top_k=5 must be <= num_experts=4"),
+    ("moe_required", "F.rope(theta=10_000.0)", "F.moe(num_experts=4)", 14,
+     "MoE needs 'aux_loss_weight', 'router_z_loss_weight' (they have no default)"),
+    ("remat_policy", "F.rope(theta=10_000.0)", 'F.remat(policy="ful")', 14,
+     "Remat.policy='ful' is not one of none, full, save_dots, save_dots_except_mlp, save_qkv_proj, "
+     "save_out_proj, offload_dots; did you mean 'full'?"),
+    ("quantize_dtype", "F.rope(theta=10_000.0)", 'F.quantize(dtype="int4")', 14,
+     "Quantize.dtype='int4' is not one of int8, fp8; did you mean 'int8'?"),
+    ("quantize_regex", "F.rope(theta=10_000.0)", 'F.quantize(include="layers/(q")', 14,
+     "Quantize.include='layers/(q' is not a regular expression (missing ), unterminated subpattern at position 7)"),
 ]
 
 
