@@ -38,6 +38,7 @@ __all__ = [
 
 ACTIVATIONS = ("swiglu", "gelu")
 QUANTIZE_DTYPES = ("int8", "fp8")
+FP8_SCALINGS = ("current", "delayed")
 REMAT_POLICIES = (
     "none",
     "full",
@@ -397,17 +398,26 @@ class Quantize(Feature):
     """Quantized matmuls for the projections whose `region/node` name matches `include` and not `exclude`
     (default: every projection of the decoder blocks except an MoE router; the output head only when `include`
     names `main/logits`). `dtype=None` takes the target's preferred dtype: int8 on TPU, fp8 on H100 and Trainium.
-    A target without the dtype is an error unless `emulate=True`, which runs the same arithmetic in wider types."""
+    A target without the dtype is an error unless `emulate=True`, which runs the same arithmetic in wider types.
+    fp8 scales each tensor by its own max (`scaling="current"`) or by the largest max of the last `amax_history`
+    steps (`"delayed"`, as Transformer Engine does), kept beside the weights."""
 
     pass_name: typing.ClassVar[str] = "quantize"
     dtype: str | None = None
     include: str | None = None
     exclude: str | None = None
+    scaling: str = "current"
+    amax_history: int = 16
     emulate: bool = False
 
     def validate(self) -> None:
         if self.dtype is not None and self.dtype not in QUANTIZE_DTYPES:
             self.fail("dtype", f"is not one of {', '.join(QUANTIZE_DTYPES)}{suggest(self.dtype, QUANTIZE_DTYPES)}")
+        if self.scaling not in FP8_SCALINGS:
+            self.fail("scaling", f"is not one of {', '.join(FP8_SCALINGS)}{suggest(self.scaling, FP8_SCALINGS)}")
+        if self.scaling == "delayed" and self.dtype == "int8":
+            self.fail("scaling", "applies to fp8; int8 scales each token and channel by its own max")
+        self.require_positive("amax_history")
         for name in ("include", "exclude"):
             try:
                 re.compile(getattr(self, name) or "")
@@ -416,6 +426,12 @@ class Quantize(Feature):
 
     def requires(self) -> tuple[str, ...]:
         return () if self.emulate or self.dtype is None else (self.dtype,)
+
+    def summary(self) -> str:
+        text = super().summary()
+        if self.scaling == "current":
+            text = text.replace(", scaling=current", "").replace(f", amax_history={self.amax_history}", "")
+        return text
 
     def for_target(self, preferences: typing.Mapping[str, str]) -> Feature:
         if self.dtype is not None:

@@ -42,6 +42,7 @@ def programs(tmp_path_factory):
     return {
         "int8": program(tmp, 'dtype="int8"'),
         "fp8": program(tmp, 'dtype="fp8", emulate=True'),
+        "fp8_delayed": program(tmp, 'dtype="fp8", scaling="delayed", amax_history=4, emulate=True'),
     }
 
 
@@ -114,6 +115,22 @@ def test_each_dtype_trains_within_ten_percent_of_the_unquantized_run(programs, c
     for dtype, quantized in programs.items():
         losses = train_losses(quantized, corpus)
         assert losses[-5:].mean() <= 1.1 * baseline[-5:].mean(), (dtype, losses[-5:], baseline[-5:])
+
+
+def test_delayed_scaling_keeps_a_history_of_amaxes_that_the_optimizer_leaves_alone(programs):
+    program = programs["fp8_delayed"]
+    assert not program.PARAMS["layers"]["q_amax_history"].trained
+    state = program.init_state(jax.random.key(0))
+    wq = np.asarray(state["params"]["layers"]["wq"])
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 256)
+    step = jax.jit(program.train_step)
+    state, _ = step(state, tokens)
+    history = np.asarray(state["params"]["layers"]["q_amax_history"])  # [layers, steps, (x, w, gradient)]
+    np.testing.assert_array_equal(history[:, 0, 1], np.abs(wq).max(axis=(1, 2, 3)))
+    assert np.all(history[:, 0] > 0) and np.all(history[:, 1:] == 0)
+    state, _ = step(state, tokens)
+    rolled = np.asarray(state["params"]["layers"]["q_amax_history"])
+    np.testing.assert_array_equal(rolled[:, 1], history[:, 0])
 
 
 def test_targets_refuse_dtypes_they_lack_unless_emulated(tmp_path):

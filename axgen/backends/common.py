@@ -26,6 +26,8 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("mlp", ("model",)),
     ("vocab", ("model",)),
     ("expert", ("expert",)),
+    ("amax_history", ()),
+    ("fp8_operand", ()),
     ("layers", ()),
 )
 

@@ -113,6 +113,8 @@ def _context(env, graph, plan, spec, passes, spec_path, output_name) -> dict:
             k: v for node in graph.nodes() for k, v in node.attrs.get("aux_weights", {}).items()
         },
         "remat_policy": _remat_policy(graph),
+        "logical_axis_rules": _logical_axis_rules(graph, plan),
+        "statistics": any(not p.trained for node in graph.nodes() for p in node.params.values()),
         "uses_checkpoint_name": any(n.attrs.get("checkpoint_name") for n in graph.nodes()),
         "uses_functools": bool(_remat_policy(graph))
         or any(n.attrs.get("quantize") for n in graph.nodes()),
@@ -193,6 +195,7 @@ def _param_entry(param, stack: int | None = None) -> str:
             f', init="{param.init}"' if param.init != "normal" else "",
             f", std={param.std}" if param.init == "normal" and param.std != 0.02 else "",
             ", decay=False" if not param.decay else "",
+            ", trained=False" if not param.trained else "",
         ]
     )
     return f'"{param.key}": ParamSpec({shape!r}, {axes!r}{extra}),'
@@ -229,6 +232,13 @@ def _block(env, graph: Graph, plan: Plan, region) -> dict:
         ),
         "remat": region.attrs.get("remat"),
     }
+
+
+def _logical_axis_rules(graph: Graph, plan: Plan) -> list[tuple[str, tuple[str, ...]]]:
+    """The rules for the logical axes this program's tensors have (stacked params add `layers`)."""
+    types = [n.type for n in graph.nodes()] + [p.type for n in graph.nodes() for p in n.params.values()]
+    used = {axis for t in types for axis in t.axes} | {"layers"}
+    return [(axis, mesh_axes) for axis, mesh_axes in plan.logical_axis_rules if axis in used]
 
 
 def _quantized(graph: Graph) -> set[str]:

@@ -37,7 +37,7 @@ def _repeat(graph: Graph, node: Node) -> int:
 
 
 def _size(node: Node) -> int:
-    return sum(math.prod(p.shape) for p in node.params.values())
+    return sum(math.prod(p.shape) for p in node.params.values() if p.trained)
 
 
 def _matmul_weights(graph: Graph, node: Node) -> float:

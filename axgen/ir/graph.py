@@ -185,10 +185,11 @@ class Graph:
         finally:
             self._pass = None
 
-    def update(self, node: Node, **attrs) -> Node:
-        """Sets attrs on `node` (a rewrite that keeps its inputs and params); its shape rule must still hold."""
+    def update(self, node: Node, params: dict[str, Param] | None = None, **attrs) -> Node:
+        """Sets attrs on `node` and adds `params` (a rewrite that keeps its inputs); its shape rule must still hold."""
         inputs = self.inputs(node)
         node.attrs = {**node.attrs, **attrs}
+        node.params = {**node.params, **(params or {})}
         self._infer(node.region, node.name, node.op, inputs, node.attrs, node.params)
         self._touch(node)
         return node

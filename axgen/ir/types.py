@@ -41,6 +41,7 @@ class Param:
     init: str = "normal"  # normal(0, std) | ones | zeros
     std: float = 0.02
     decay: bool = True  # whether AdamW's weight decay applies
+    trained: bool = True  # False: a statistic the step overwrites with what backward returns for it
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -48,4 +49,4 @@ class Param:
 
     def __str__(self) -> str:
         init = f"normal({self.std})" if self.init == "normal" else self.init
-        return f"{self.key}{self.type} {init}{'' if self.decay else ' no-decay'}"
+        return f"{self.key}{self.type} {init}{'' if self.decay else ' no-decay'}{'' if self.trained else ' untrained'}"

@@ -6,7 +6,7 @@ blocks but an MoE router, whose top-k choice is too sensitive to rounding.
 
 import re
 
-from axgen.ir import Graph, Node
+from axgen.ir import Graph, Node, Param, TensorType
 from axgen.passes.manager import FeatureConflict, PassError, register
 from axgen.spec import Quantize
 
@@ -30,5 +30,12 @@ def quantize(g: Graph, cfg: Quantize) -> None:
     if not chosen:
         names = ", ".join(str(n) for n in dots)
         raise PassError(f"{cfg.origin}: {cfg.summary()} selects none of the projections: {names}")
+    if cfg.scaling == "delayed" and cfg.dtype != "fp8":
+        raise PassError(f"{cfg.origin}: {cfg.summary()}: delayed scaling applies to fp8 only")
+    history = TensorType.of(("amax_history", cfg.amax_history), ("fp8_operand", 3))  # x, w, gradient
     for node in chosen:
-        g.update(node, quantize=cfg.dtype)
+        if cfg.scaling == "delayed":
+            amax = Param(f"{node.name}_amax_history", history, "zeros", decay=False, trained=False)
+            g.update(node, {"amax_history": amax}, quantize="fp8_delayed")
+        else:
+            g.update(node, quantize=cfg.dtype)

@@ -72,7 +72,6 @@ LOGICAL_AXIS_RULES = {
     "head_dim": (),
     "mlp": ("model",),
     "vocab": ("model",),
-    "expert": ("expert",),
     "layers": (),
 }
 
