@@ -42,6 +42,7 @@ def _report(built: Built, applied: AppliedPass, total_layers: int) -> PassReport
     touched = [node for node in built.graph.nodes() if name in node.passes]
     regions = {node.region for node in touched if node.region != "main"}
     path = Path(inspect.getsourcefile(applied.registered.fn))
+    source = path.read_text()
     return PassReport(
         name=name,
         feature=applied.feature.summary(),
@@ -50,8 +51,8 @@ def _report(built: Built, applied: AppliedPass, total_layers: int) -> PassReport
         instances=sum(built.graph.regions[node.region].repeat for node in touched),
         layers=sum(built.graph.regions[r].repeat for r in regions),
         main_nodes=sum(node.region == "main" for node in touched),
-        logic_lines=logic_lines(path.read_text()),
-        file_lines=len(path.read_text().splitlines()),
+        logic_lines=logic_lines(source),
+        file_lines=len(source.splitlines()),
         file=f"passes/{path.name}",
     )
 

@@ -1,6 +1,7 @@
 """Mixture of experts: HF Mixtral numerics, the auxiliary losses by hand, capacity dropping, mixed stacks, sharding."""
 
 import json
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -177,3 +178,30 @@ def test_expert_axis_shards_expert_weights_and_keeps_the_forward():
         assert placed["moe_layers"]["w_up"].sharding.spec[:2] == (None, "expert")
         sharded = jax.jit(program.forward)(placed, tokens)
     np.testing.assert_allclose(np.asarray(sharded), np.asarray(single), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("every", [2, 4])
+def test_mixed_stack_runs_layers_in_order(tmp_path, every):
+    """With every expert a copy of the dense MLP, an MoE layer computes what the dense layer did (the top-k
+    weights sum to 1), so the mixed stack must equal the dense model whose layers it took, in order."""
+    dense = load_program(ROOT / "generated/llama_tiny/cpu_1.py")
+    path = tmp_path / f"every_{every}.py"
+    path.write_text(
+        "from specs.moe_tiny import spec as moe_tiny\n"
+        f"spec = moe_tiny.replace(features=[moe_tiny.feature('rope'), moe_tiny.feature('moe').replace(every={every})])\n"
+    )
+    mixed = program_for(tmp_path, path, name=path.stem)
+    params = dense.init_params(jax.random.key(0))
+    layers = params["layers"]
+    is_moe = np.arange(4) % every == every - 1  # the last layer of each group
+    take = lambda rows: jax.tree.map(lambda w: w[rows], layers)  # noqa: E731
+    moe_layers = take(is_moe)
+    for key in ("w_gate", "w_up", "w_down"):
+        moe_layers[key] = jnp.repeat(moe_layers[key][:, None], 4, axis=1)  # 4 identical experts
+    moe_layers["router"] = jax.random.normal(jax.random.key(1), (int(is_moe.sum()), 128, 4))
+    mixed_params = {**params, "layers": take(~is_moe), "moe_layers": moe_layers}
+    assert ("regroup(" in Path(mixed.__file__).read_text()) == (every > 2)
+    tokens = jax.random.randint(jax.random.key(2), (2, 16), 0, 256)
+    np.testing.assert_allclose(
+        np.asarray(mixed.forward(mixed_params, tokens)), np.asarray(dense.forward(params, tokens)), atol=2e-5
+    )

@@ -87,6 +87,8 @@ def emit(
 
 def _context(env, graph, plan, spec, passes, spec_path, output_name) -> dict:
     ops = {node.op for node in graph.nodes()}
+    groups = [_group(graph, scan) for scan in graph.nodes(op="scan") if _is_group(graph, scan)]
+    remat_policy = _remat_policy(graph)
     return {
         "version": axgen.__version__,
         "spec": spec,
@@ -100,10 +102,8 @@ def _context(env, graph, plan, spec, passes, spec_path, output_name) -> dict:
         "params_tree": _params_tree(graph),
         "helpers": _helpers(env, graph, ops),
         "blocks": [_block(env, graph, plan, region) for region in graph.blocks()],
-        "groups": [
-            _group(graph, scan) for scan in graph.nodes(op="scan") if _is_group(graph, scan)
-        ],
-        "regroup": any(_is_group(graph, scan) for scan in graph.nodes(op="scan")),
+        "groups": groups,
+        "regroup": any(call["per_step"] > 1 for group in groups for call in group["calls"]),
         "main_lines": _lines(env, graph, plan, "main", param_root="params"),
         "main_output": graph.output("main").name,
         "main_aux": [
@@ -112,12 +112,11 @@ def _context(env, graph, plan, spec, passes, spec_path, output_name) -> dict:
         "aux_weights": {
             k: v for node in graph.nodes() for k, v in node.attrs.get("aux_weights", {}).items()
         },
-        "remat_policy": _remat_policy(graph),
+        "remat_policy": remat_policy,
         "logical_axis_rules": _logical_axis_rules(graph, plan),
         "statistics": any(not p.trained for node in graph.nodes() for p in node.params.values()),
         "uses_checkpoint_name": any(n.attrs.get("checkpoint_name") for n in graph.nodes()),
-        "uses_functools": bool(_remat_policy(graph))
-        or any(n.attrs.get("quantize") for n in graph.nodes()),
+        "uses_functools": bool(remat_policy or _quantized(graph)),
         "aux_names": sorted({name for node in graph.nodes() for name in node.attrs.get("aux", ())}),
     }
 
@@ -225,13 +224,16 @@ def _block(env, graph: Graph, plan: Plan, region) -> dict:
         "repeat": region.repeat,
         "lines": _lines(env, graph, plan, region.name, param_root="p"),
         "output": graph.output(region.name).name,
-        "aux": (
-            aux[0]
-            if len(aux) == 1
-            else "{" + ", ".join(f"**{a}" for a in aux) + "}" if aux else None
-        ),
+        "aux": _merged(aux),
         "remat": region.attrs.get("remat"),
     }
+
+
+def _merged(dicts: list[str]) -> str | None:
+    """An expression for the union of the named dicts: the name itself when there is one."""
+    if len(dicts) <= 1:
+        return dicts[0] if dicts else None
+    return "{" + ", ".join(f"**{d}" for d in dicts) + "}"
 
 
 def _logical_axis_rules(graph: Graph, plan: Plan) -> list[tuple[str, tuple[str, ...]]]:
@@ -255,7 +257,10 @@ def _remat_policy(graph: Graph) -> dict | None:
     if len(policies) > 1:
         raise EmitError(f"blocks have different remat policies: {sorted(policies)}")
     remat = next(iter(policies.values()))
-    names = lambda key: ", ".join(f'"{n}"' for n in remat[key])  # noqa: E731
+
+    def names(key: str) -> str:
+        return ", ".join(f'"{n}"' for n in remat[key])
+
     if remat["offload"]:
         expression = (
             f"jax.checkpoint_policies.save_and_offload_only_these_names(names_which_can_be_saved=[{names('save')}], "
@@ -354,24 +359,18 @@ def _statement(env, graph: Graph, node: Node, param_root: str) -> str:
 
 def _scan_call(graph: Graph, scan: Node, param_root: str) -> dict:
     """The function a scan step calls and the stacked params it scans over."""
+    aux = _scan_has_aux(graph, scan)
     if not _is_group(graph, scan):
         block = scan.attrs["blocks"][0]
-        return {
-            "function": graph.regions[block].function,
-            "xs": f'{param_root}["{block}"]',
-            "aux": _scan_has_aux(graph, scan),
-        }
+        return {"function": graph.regions[block].function, "xs": f'{param_root}["{block}"]', "aux": aux}
+    group = _group(graph, scan)
     entries = []
-    for block in scan.attrs["blocks"]:
-        stacked = f'{param_root}["{block}"]'
-        if graph.regions[block].repeat != scan.attrs["steps"]:
-            stacked = f"regroup({stacked}, {scan.attrs['steps']})"
-        entries.append(f'"{block}": {stacked}')
-    return {
-        "function": f"{scan.name}_group",
-        "xs": "{" + ", ".join(entries) + "}",
-        "aux": _scan_has_aux(graph, scan),
-    }
+    for call in group["calls"]:
+        stacked = f'{param_root}["{call["block"]}"]'
+        if call["per_step"] > 1:
+            stacked = f"regroup({stacked}, {group['steps']})"
+        entries.append(f'"{call["block"]}": {stacked}')
+    return {"function": group["function"], "xs": "{" + ", ".join(entries) + "}", "aux": aux}
 
 
 def _einsum(x_axes, w_axes, out_axes) -> str:

@@ -2,8 +2,8 @@
 
 from axgen.ir import cost
 from axgen.ir.from_spec import from_spec
-from axgen.ir.graph import Graph, GraphError, Node, Op, Region, Subgraph
+from axgen.ir.graph import Graph, GraphError, Node, Op, Region
 from axgen.ir.ops import OPS
 from axgen.ir.types import Param, TensorType
 
-__all__ = ["OPS", "Graph", "GraphError", "Node", "Op", "Param", "Region", "TensorType", "from_spec"]
+__all__ = ["OPS", "Graph", "GraphError", "Node", "Op", "Param", "Region", "TensorType", "cost", "from_spec"]

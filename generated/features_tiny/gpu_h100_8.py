@@ -395,11 +395,6 @@ def moe_decoder_layer(x, p, positions):
     return x_mlp, moe_aux
 
 
-def regroup(stacked, steps):
-    """Stacked params [layers, ...] -> [steps, layers / steps, ...]: each scan step takes one group's layers."""
-    return jax.tree.map(lambda w: w.reshape(steps, -1, *w.shape[1:]), stacked)
-
-
 def layers_group(x, p, positions):
     """One of 2 groups of layers: 1 + 1 layers of decoder_layer, moe_decoder_layer, in that order."""
     x = decoder_layer(x, p["layers"], positions)
