@@ -4,12 +4,12 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO := build/demo
 
-.PHONY: demo test generate fixtures clean
+.PHONY: demo test generate aot-report fixtures clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || { py=$$(scripts/find-python) && echo "creating $(VENV) with $$py" && "$$py" -m venv $(VENV); }
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,tpu,gpu-aot]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -26,6 +26,10 @@ test: $(STAMP)
 
 generate: $(STAMP)
 	$(BIN)/axgen build --all
+
+# Compiles every spec x target for its chips (minutes per 7B+ program): docs/aot.md.
+aot-report: $(STAMP)
+	$(BIN)/axgen aot --all --report docs/aot.md
 
 # Needs Python 3.11 with torch: see tests/fixtures/make_hf_fixtures.py.
 fixtures:

@@ -7,7 +7,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from axgen.backends import plan_for
+from axgen.backends import Plan, plan_for
 from axgen.codegen import emit
 from axgen.ir import Graph, from_spec
 from axgen.loader import load_spec
@@ -20,6 +20,7 @@ from axgen.spec import Model, display_path
 class Built:
     spec: Model
     target: str
+    plan: Plan
     graph: Graph
     passes: list[AppliedPass]
     source: str
@@ -40,7 +41,7 @@ def build(spec_path: str | Path, target: str) -> Built:
     graph = from_spec(spec)
     passes = run_passes(graph, plan.features)
     source = emit(graph, plan, spec, passes, display_path(str(spec_path)), output_name(target))
-    return Built(spec, target, graph, passes, source)
+    return Built(spec, target, plan, graph, passes, source)
 
 
 def write_atomically(path: Path, text: str) -> None:

@@ -1,11 +1,14 @@
-"""`axgen build | graph | explain | targets | corpus`: the command line. Errors are one line and exit 2."""
+"""`axgen build | graph | explain | aot | targets | corpus`: the command line. Errors are one line and exit 2."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import sys
 from pathlib import Path
 
+from axgen.aot import AotError, compile_target, write_report
 from axgen.backends import FAMILIES, family_for, plan_for
 from axgen.build import build, default_output, write_atomically
 from axgen.corpus import write_token_file
@@ -23,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.run(args)
-    except (SpecError, GraphError, PassError) as err:
+    except (SpecError, GraphError, PassError, AotError) as err:
         print(f"axgen: error: {err}", file=sys.stderr)
         return 2
 
@@ -51,6 +54,15 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--target", help="default: the spec's first target")
     e.set_defaults(run=_explain)
 
+    a = sub.add_parser("aot", help="compile a program's train step for its target's chips without them")
+    a.add_argument("spec", nargs="?", help="spec file, e.g. specs/llama2_7b.py")
+    a.add_argument("--target", help="default: every target the spec declares")
+    a.add_argument("--all", action="store_true", help="every spec in specs/ for each of its targets")
+    a.add_argument("--json", action="store_true", help="one JSON object per program instead of text")
+    a.add_argument("--report", type=Path, help="also write a markdown table of the results, e.g. docs/aot.md")
+    a.add_argument("--timeout", type=float, help="seconds one compile may take")
+    a.set_defaults(run=_aot, out=None, check=False)
+
     t = sub.add_parser("targets", help="list the target patterns and their mesh rules")
     t.set_defaults(run=_targets)
 
@@ -63,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
 def _jobs(args) -> list[tuple[Path, str, Path]]:
     """(spec file, target, output path) for every program the command covers."""
     if args.all == bool(args.spec):
-        raise SpecError("build needs a spec file or --all (not both)")
+        raise SpecError("give a spec file or --all (not both)")
     spec_files = sorted(p for p in SPECS.glob("*.py") if p.name != "__init__.py") if args.all else [Path(args.spec)]
     jobs = []
     for spec_file in spec_files:
@@ -116,6 +128,27 @@ def _explain(args) -> int:
     built = build(args.spec, target)
     print(render(built, explain(built)), end="")
     return 0
+
+
+def _aot(args) -> int:
+    """Exit 1 when a program does not fit its chip's memory (or, with --all, when a compile failed)."""
+    reports, failures = [], []
+    for spec_file, target, _ in _jobs(args):
+        try:
+            report = compile_target(spec_file, target, timeout=args.timeout)
+        except AotError as err:
+            if not args.all:
+                raise
+            failures.append(str(err))
+            print(f"axgen: error: {err}", file=sys.stderr)
+            continue
+        reports.append(report)
+        print(json.dumps(dataclasses.asdict(report)) if args.json else report.text(), flush=True)
+    if args.report:
+        command = "axgen aot --all --report " + str(args.report) if args.all else " ".join(sys.argv)
+        write_report(args.report, reports, failures, command)
+        print(f"wrote {args.report}")
+    return 1 if failures or not all(r.fits for r in reports) else 0
 
 
 def _targets(args) -> int:

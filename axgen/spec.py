@@ -23,6 +23,7 @@ __all__ = [
     "Feature",
     "LayerNorm",
     "MLP",
+    "MeshRule",
     "MoE",
     "Model",
     "Origin",
@@ -48,6 +49,10 @@ REMAT_POLICIES = (
     "save_out_proj",
     "offload_dots",
 )
+# Outermost first: `model` is innermost so its collectives use the fastest links between neighbouring devices.
+MESH_AXES = ("data", "fsdp", "expert", "model")
+ATTENTION_KERNELS = ("xla", "splash", "cudnn")
+COMPUTE_DTYPES = ("float32", "bfloat16")
 _THIS_FILE = str(Path(__file__).resolve())
 _PACKAGE = Path(__file__).resolve().parent
 
@@ -160,6 +165,11 @@ def _matches(value, expected) -> bool:
     if origin is tuple:
         item_type = typing.get_args(expected)[0]
         return isinstance(value, tuple) and all(_matches(v, item_type) for v in value)
+    if origin is dict:
+        key_type, value_type = typing.get_args(expected)
+        return isinstance(value, dict) and all(
+            _matches(k, key_type) and _matches(v, value_type) for k, v in value.items()
+        )
     if expected is type(None):
         return value is None
     if expected is float:
@@ -175,6 +185,9 @@ def _type_name(expected) -> str:
         return " or ".join(_type_name(arg) for arg in typing.get_args(expected))
     if origin is tuple:
         return f"a list of {_type_name(typing.get_args(expected)[0])}"
+    if origin is dict:
+        key_type, value_type = typing.get_args(expected)
+        return f"a dict of {_type_name(key_type)} to {_type_name(value_type)}"
     if expected is type(None):
         return "None"
     article = "an" if expected.__name__[0] in "aeiou" else "a"
@@ -449,6 +462,62 @@ class features:  # noqa: N801 - a namespace, used as `features as F` in spec fil
     quantize = Quantize
 
 
+# --- targets -----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MeshRule(SpecNode):
+    """A regex over target names -> a mesh over `data, fsdp, expert, model` (-1: the devices left over) and the
+    modifiers that go with it; a modifier left None keeps the backend's choice. Each backend tries its rules in
+    order and the first match wins; a spec's `Model.mesh_rules` are tried before the backend's. On a multi-slice
+    target (`tpu-v5e-256x2`) the mesh is one slice's and the slices multiply `data`.
+
+    `microbatch` is the sequences each device runs per forward and backward pass: a step whose per-device batch
+    is larger accumulates gradients over `per-device batch / microbatch` passes. `attention_block` is the query
+    and key/value block length of the splash attention kernel."""
+
+    pattern: str
+    mesh: dict[str, int]
+    _: dataclasses.KW_ONLY
+    why: str
+    compute_dtype: str | None = None
+    attention: str | None = None
+    attention_block: int | None = None
+    microbatch: int | None = None
+    remat: Remat | None = None
+    quantize_dtype: str | None = None
+    xla_flags: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        try:
+            re.compile(self.pattern)
+        except re.error as err:
+            self.fail("pattern", f"is not a regular expression ({err})")
+        for axis, size in self.mesh.items():
+            if axis not in MESH_AXES:
+                self.fail("mesh", f"has axis {axis!r}, not one of {', '.join(MESH_AXES)}{suggest(axis, MESH_AXES)}")
+            if size < 1 and size != -1:
+                self.fail("mesh", f"gives {axis}={size}; sizes are >= 1, or -1 for the devices left over")
+        if list(self.mesh.values()).count(-1) > 1:
+            self.fail("mesh", "has more than one -1 axis")
+        for name, known in (
+            ("compute_dtype", COMPUTE_DTYPES),
+            ("attention", ATTENTION_KERNELS),
+            ("quantize_dtype", QUANTIZE_DTYPES),
+        ):
+            value = getattr(self, name)
+            if value is not None and value not in known:
+                self.fail(name, f"is not one of {', '.join(known)}{suggest(value, known)}")
+        for name in ("attention_block", "microbatch"):
+            if getattr(self, name) is not None:
+                self.require_positive(name)
+        if self.attention_block is not None and self.attention_block % 128:
+            self.fail("attention_block", "must be a multiple of 128 (the TPU lane width)")
+
+    def matches(self, target: str) -> bool:
+        return re.fullmatch(self.pattern, target) is not None
+
+
 # --- the model ---------------------------------------------------------------------------------------------------
 
 _NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
@@ -463,6 +532,7 @@ class Model(SpecNode):
     train: Train
     features: tuple[Feature, ...] = ()
     targets: tuple[str, ...] = ()
+    mesh_rules: tuple[MeshRule, ...] = ()  # tried before the backend's rules
     tie_embeddings: bool = False
 
     def validate(self) -> None:

@@ -16,11 +16,11 @@ spec = Model(
     features=[F.rope(theta=10_000.0)],
     train=Train(
         seq_len=4096,
-        global_batch=256,
+        global_batch=1024,  # 4M tokens, as in the paper
         steps=500_000,
         optimizer=AdamW(lr=3e-4, b1=0.9, b2=0.95, eps=1e-5, weight_decay=0.1),
         warmup_steps=2000,
         grad_clip=1.0,
     ),
-    targets=["tpu-v5e-256", "gpu-h100-8", "trn2-16", "cpu-8"],
+    targets=["tpu-v5e-256", "tpu-v5e-256x2", "gpu-h100-8", "trn2-16", "cpu-8"],
 )

@@ -1,5 +1,6 @@
 """Llama 3 70B: the 8B recipe at 8192 wide and 80 deep with 64 query heads, derived rather than copied."""
 
+from axgen.spec import MeshRule, Remat
 from specs.llama3_8b import spec as llama3_8b
 
 spec = llama3_8b.replace(
@@ -12,4 +13,15 @@ spec = llama3_8b.replace(
     ),
     train=llama3_8b.train.replace(optimizer=llama3_8b.train.optimizer.replace(lr=1.5e-4)),
     targets=["tpu-v5p-512", "gpu-h100-64", "trn2-64", "cpu-8"],
+    mesh_rules=[
+        # 1.1 TB of weights and Adam moments fit 80 GiB GPUs only when sharded over all of them, not 8 per host;
+        # one 8k sequence per pass and full remat keep 80 layers' activations near 10 GiB.
+        MeshRule(
+            r"gpu-h100-\d+",
+            {"fsdp": -1},
+            why="70B: fully sharded over every GPU",
+            microbatch=1,
+            remat=Remat(policy="full"),
+        ),
+    ],
 )

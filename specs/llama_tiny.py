@@ -22,5 +22,5 @@ spec = Model(
         warmup_steps=20,
         checkpoint_every=100,
     ),
-    targets=["cpu-1", "cpu-8", "tpu-v5e-8", "gpu-h100-8", "trn2-16"],
+    targets=["cpu-1", "cpu-8", "tpu-v5e-8", "tpu-v5e-4x2", "gpu-h100-8", "trn2-16"],
 )

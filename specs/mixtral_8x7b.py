@@ -4,6 +4,7 @@
 other difference.
 """
 
+from axgen.spec import MeshRule
 from axgen.spec import features as F
 from specs.mistral_7b import spec as mistral_7b
 
@@ -15,4 +16,6 @@ spec = mistral_7b.replace(
         F.moe(num_experts=8, top_k=2, aux_loss_weight=0.02, router_z_loss_weight=0.001),
     ],
     targets=["tpu-v5p-256", "gpu-h100-64", "cpu-8"],
+    # 750 GB of weights and Adam moments fit 80 GiB GPUs only when sharded over all 64, not 8 per host.
+    mesh_rules=[MeshRule(r"gpu-h100-\d+", {"fsdp": -1}, why="46.7B: fully sharded over every GPU", microbatch=1)],
 )

@@ -37,24 +37,15 @@ def train(program: Path, data: Path, ckpt_dir: Path, steps: int, *extra: str) ->
 
 def train_log(program: Path, data: Path, ckpt_dir: Path, steps: int, *extra: str) -> str:
     """Runs an emitted program as a user would, logging every step; returns what it printed."""
-    result = subprocess.run(
-        [
-            sys.executable,
-            str(program),
-            "--data",
-            str(data),
-            "--ckpt-dir",
-            str(ckpt_dir),
-            "--steps",
-            str(steps),
-            "--log-every",
-            "1",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
+    return run_python(str(program), *program_args(data, ckpt_dir, steps), *extra)
+
+
+def program_args(data: Path, ckpt_dir: Path, steps: int) -> list[str]:
+    return ["--data", str(data), "--ckpt-dir", str(ckpt_dir), "--steps", str(steps), "--log-every", "1"]
+
+
+def run_python(*argv: str) -> str:
+    """Runs `python *argv` from the project root; returns its stdout, failing the test on a non-zero exit."""
+    result = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout

@@ -76,7 +76,7 @@ def test_bad_spec_gives_one_line_with_file_and_line(tmp_path, name, old, new, li
 @pytest.mark.parametrize(
     ("target", "message"),
     [
-        ("gpu-a100-8", "unknown target 'gpu-a100-8'; known targets: cpu-N, tpu-v5e-N, tpu-v5p-N, tpu-v6e-N, gpu-h100-N, trn2-N"),
+        ("gpu-a100-8", "unknown target 'gpu-a100-8'; known targets: cpu-N, tpu-v5e-N[xS], tpu-v5p-N[xS], tpu-v6e-N[xS], gpu-h100-N, trn2-N"),
         ("cpu-16", "Train.global_batch=8 is not divisible by the 16 batch shards (data x fsdp x expert) of target cpu-16"),
     ],
 )

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from axgen.spec import Feature, Model, Remat, SpecError
+from axgen.spec import MESH_AXES, Feature, MeshRule, Model, Remat, SpecError
 
-# Outermost first: `model` is innermost so its collectives use the fastest links between neighbouring devices.
-MESH_AXES = ("data", "fsdp", "expert", "model")
 GIB = 1024**3
 
 # Logical axis -> mesh axes, in MaxText's style. A mesh axis already used by an earlier dimension of the same
@@ -42,33 +41,9 @@ class Chip:
 
 
 @dataclass(frozen=True)
-class MeshRule:
-    """Regex over the target name -> mesh shape (-1 = the remaining devices) and modifiers. First match wins."""
-
-    pattern: str
-    mesh: dict[str, int]
-    why: str
-    compute_dtype: str | None = None
-    attention: str | None = None
-    xla_flags: tuple[str, ...] = ()
-    remat: Remat | None = None
-    quantize_dtype: str | None = None
-
-    def matches(self, target: str) -> bool:
-        return re.fullmatch(self.pattern, target) is not None
-
-    def mesh_shape(self, num_devices: int, target: str) -> tuple[tuple[str, int], ...]:
-        fixed = math.prod(n for n in self.mesh.values() if n != -1)
-        rest = [a for a, n in self.mesh.items() if n == -1]
-        if num_devices % fixed or len(rest) > 1 or (not rest and fixed != num_devices):
-            raise SpecError(f"mesh rule {self.pattern!r} gives {self.mesh}, which does not fit {num_devices} devices of {target}")
-        sizes = {**{a: 1 for a in MESH_AXES}, **self.mesh, **{a: num_devices // fixed for a in rest}}
-        return tuple((a, sizes[a]) for a in MESH_AXES)
-
-
-@dataclass(frozen=True)
 class Family:
-    """A backend's targets: a name pattern whose first group is the device count, chip facts, rules, defaults."""
+    """A backend's targets: a name pattern whose first group is the device count (per slice, where a second group
+    counts slices), chip facts, mesh rules, and the defaults a rule may override."""
 
     name: str
     pattern: str  # e.g. r"gpu-h100-(\d+)"
@@ -76,14 +51,23 @@ class Family:
     chip: Chip
     rules: tuple[MeshRule, ...]
     compute_dtype: str
-    attention: str  # "xla" | "cudnn"
+    attention: str  # the default kernel, one of `kernels`
+    kernels: tuple[str, ...] = ("xla",)  # attention kernels this chip can run
+    platform: str = "cpu"  # jax's name for the backend: cpu, tpu, cuda, neuron
+    flags_variable: str = "XLA_FLAGS"  # the environment variable the runtime reads the flags from
     xla_flags: tuple[str, ...] = ()
     remat: Remat | None = None  # the default when the spec has no remat feature
     quantize_dtype: str = "int8"  # what `quantize(dtype=None)` becomes
+    # Devices per slice -> the topology `axgen aot` compiles for without the chips; None: fake CPU devices.
+    topology: Callable[[int], str] | None = None
 
-    def num_devices(self, target: str) -> int | None:
+    def parse(self, target: str) -> tuple[int, int] | None:
+        """(devices per slice, slices) of a target this family owns, else None."""
         match = re.fullmatch(self.pattern, target)
-        return int(match.group(1)) if match else None
+        if match is None:
+            return None
+        slices = match.group(2) if match.re.groups > 1 else None
+        return int(match.group(1)), int(slices or 1)
 
 
 @dataclass(frozen=True)
@@ -94,49 +78,96 @@ class Plan:
     family: str
     backend_file: str
     chip: Chip
-    num_devices: int
-    mesh: tuple[tuple[str, int], ...]
+    platform: str
+    num_devices: int  # over all slices
+    num_slices: int
+    mesh: tuple[tuple[str, int], ...]  # over all devices
     rule: MeshRule
     compute_dtype: str
     attention: str
+    attention_block: int | None
+    microbatch: int  # sequences per device per forward/backward pass
+    grad_accum_steps: int
+    flags_variable: str
     xla_flags: tuple[str, ...]
+    topology: str | None  # for ahead-of-time compilation; None: fake CPU devices with this mesh
     features: tuple[Feature, ...]  # the spec's, completed for this target, and the backend's defaults
     logical_axis_rules: tuple[tuple[str, tuple[str, ...]], ...] = LOGICAL_AXIS_RULES
     constrained_ops: frozenset[str] = field(default=frozenset({"embed", "add", "lm_head"}))
 
     @property
     def num_hosts(self) -> int:
-        return math.ceil(self.num_devices / self.chip.devices_per_host)
+        return self.num_slices * math.ceil(self.num_devices // self.num_slices / self.chip.devices_per_host)
+
+    @property
+    def dcn_mesh(self) -> tuple[tuple[str, int], ...]:
+        """The mesh across slices: slices split `data`, every other axis stays inside a slice."""
+        return tuple((axis, self.num_slices if axis == "data" else 1) for axis, _ in self.mesh)
 
     def mesh_size(self, *axes: str) -> int:
         return math.prod(n for a, n in self.mesh if a in axes)
 
+    def feature(self, pass_name: str) -> Feature | None:
+        return next((f for f in self.features if f.pass_name == pass_name), None)
+
 
 def make_plan(family: Family, spec: Model, target: str) -> Plan:
-    num_devices = family.num_devices(target)
-    if not num_devices:
-        raise SpecError(f"{spec.origin}: target {target!r} needs at least one device")
-    rule = next(r for r in family.rules if r.matches(target))
+    per_slice, slices = family.parse(target)
+    if not per_slice or not slices:
+        raise SpecError(f"{spec.origin}: target {target!r} needs at least one device and one slice")
+    rule = next(r for r in (*spec.mesh_rules, *family.rules) if r.matches(target))
+    mesh = tuple(
+        (axis, size * slices if axis == "data" else size) for axis, size in _mesh_shape(rule, per_slice, target)
+    )
+    batch_shards = math.prod(n for a, n in mesh if a in dict(LOGICAL_AXIS_RULES)["batch"])
+    per_device_batch = spec.train.global_batch // batch_shards
+    if spec.train.global_batch % batch_shards:
+        spec.train.fail(
+            "global_batch", f"is not divisible by the {batch_shards} batch shards (data x fsdp x expert) of target {target}"
+        )
+    microbatch = min(rule.microbatch or per_device_batch, per_device_batch)
+    if per_device_batch % microbatch:
+        raise SpecError(
+            f"{rule.origin}: MeshRule.microbatch={rule.microbatch} does not divide the {per_device_batch} sequences "
+            f"per device that Train.global_batch={spec.train.global_batch} gives on target {target} ({spec.train.origin})"
+        )
     plan = Plan(
         target=target,
         family=family.name,
         backend_file=f"backends/{family.name}.py",
         chip=family.chip,
-        num_devices=num_devices,
-        mesh=rule.mesh_shape(num_devices, target),
+        platform=family.platform,
+        num_devices=per_slice * slices,
+        num_slices=slices,
+        mesh=mesh,
         rule=rule,
         compute_dtype=rule.compute_dtype or family.compute_dtype,
         attention=rule.attention or family.attention,
+        attention_block=_attention_block(rule, family, spec),
+        microbatch=microbatch,
+        grad_accum_steps=per_device_batch // microbatch,
+        flags_variable=family.flags_variable,
         xla_flags=family.xla_flags + rule.xla_flags,
+        topology=family.topology(per_slice) if family.topology else None,
         features=_features(spec, rule, family),
     )
+    _check_attention(plan, family, spec)
     _check_capabilities(plan)
-    batch_shards = plan.mesh_size(*dict(LOGICAL_AXIS_RULES)["batch"])
-    if spec.train.global_batch % batch_shards:
-        spec.train.fail(
-            "global_batch", f"is not divisible by the {batch_shards} batch shards (data x fsdp x expert) of target {target}"
-        )
     return plan
+
+
+def _mesh_shape(rule: MeshRule, num_devices: int, target: str) -> tuple[tuple[str, int], ...]:
+    """The rule's mesh over `num_devices` (one slice's), every axis named, -1 resolved."""
+    fixed = math.prod(n for n in rule.mesh.values() if n != -1)
+    rest = [a for a, n in rule.mesh.items() if n == -1]
+    if num_devices % fixed or (not rest and fixed != num_devices):
+        per_slice = " per slice" if re.search(r"x\d+$", target) else ""
+        raise SpecError(
+            f"{rule.origin}: MeshRule.mesh={rule.mesh} (pattern {rule.pattern!r}) does not fit the "
+            f"{num_devices} devices{per_slice} of target {target}"
+        )
+    sizes = {**{a: 1 for a in MESH_AXES}, **rule.mesh, **{a: num_devices // fixed for a in rest}}
+    return tuple((a, sizes[a]) for a in MESH_AXES)
 
 
 def _features(spec: Model, rule: MeshRule, family: Family) -> tuple[Feature, ...]:
@@ -145,6 +176,27 @@ def _features(spec: Model, rule: MeshRule, family: Family) -> tuple[Feature, ...
     chosen = tuple(f.for_target(preferences) for f in spec.features)
     defaults = [f for f in (rule.remat or family.remat,) if f is not None]
     return chosen + tuple(f for f in defaults if spec.feature(f.pass_name) is None)
+
+
+def _attention_block(rule: MeshRule, family: Family, spec: Model) -> int | None:
+    """Splash attention's block length: the rule's, else the largest of 128, 256, 512 that divides seq_len."""
+    if (rule.attention or family.attention) != "splash":
+        return None
+    return rule.attention_block or math.gcd(spec.train.seq_len, 512)
+
+
+def _check_attention(plan: Plan, family: Family, spec: Model) -> None:
+    if plan.attention not in family.kernels:
+        raise SpecError(
+            f"{plan.rule.origin}: MeshRule.attention={plan.attention!r} is not a kernel of target {plan.target} "
+            f"({plan.chip.name} runs {', '.join(family.kernels)})"
+        )
+    block = plan.attention_block
+    if block is not None and (spec.train.seq_len % block or block % 128):
+        raise SpecError(
+            f"{spec.train.origin}: Train.seq_len={spec.train.seq_len} is not a multiple of the {block}-long blocks "
+            f"of splash attention on target {plan.target} (set by {plan.rule.origin}; blocks are multiples of 128)"
+        )
 
 
 def _check_capabilities(plan: Plan) -> None:

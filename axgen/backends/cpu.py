@@ -3,7 +3,8 @@
 float32 because these AVX2 CPUs have no fast bf16 path: MaxText's bf16 steps ran ~1.5x slower than fp32 here.
 """
 
-from axgen.backends.common import Chip, Family, MeshRule
+from axgen.backends.common import Chip, Family
+from axgen.spec import MeshRule
 
 FAMILY = Family(
     name="cpu",
@@ -30,4 +31,5 @@ FAMILY = Family(
     ),
     compute_dtype="float32",
     attention="xla",
+    platform="cpu",
 )

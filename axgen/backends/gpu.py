@@ -1,7 +1,52 @@
 """NVIDIA H100 targets `gpu-h100-N`: N GPUs, 8 per host, bf16 compute, cuDNN fused attention."""
 
-from axgen.backends.common import GIB, Chip, Family, MeshRule
-from axgen.spec import Remat
+import math
+
+from axgen.backends.common import GIB, Chip, Family
+from axgen.spec import MeshRule, Remat
+
+GPUS_PER_HOST = 8
+
+# Published H100 SXM5 facts (NVIDIA H100 Tensor Core GPU Architecture whitepaper; CUDA occupancy tables for
+# compute capability 9.0): what XLA's GPU compiler needs to compile for the chip without one.
+H100_SXM = {
+    "threads_per_block_limit": 1024,
+    "threads_per_warp": 32,
+    "shared_memory_per_block": 48 * 1024,  # without opt-in
+    "shared_memory_per_block_optin": 227 * 1024,
+    "shared_memory_per_core": 228 * 1024,
+    "threads_per_core_limit": 2048,
+    "core_count": 132,  # streaming multiprocessors
+    "fpus_per_core": 128,  # FP32 lanes per SM
+    "block_dim_limit_x": 2**31 - 1,
+    "block_dim_limit_y": 65535,
+    "block_dim_limit_z": 65535,
+    "memory_bandwidth": 3_352_320_000_000,  # bytes/s, HBM3
+    "l2_cache_size": 50 * 1024**2,
+    "clock_rate_ghz": 1.98,  # boost
+    "device_memory_size": 84_942_979_072,  # the 80 GiB HBM3 as CUDA reports it
+    "registers_per_core_limit": 65536,
+    "registers_per_block_limit": 65536,
+}
+CUDNN_VERSION = (9, 8, 0)  # the cuDNN the compile assumes; 9.x is what enables cuDNN fused attention in XLA
+
+
+def target_config() -> str:
+    """XLA's GpuTargetConfigProto, as text, for an H100 SXM: what `axgen aot` hands the CUDA plugin."""
+    info = "\n".join(f"  {key}: {value}" for key, value in H100_SXM.items())
+    major, minor, patch = CUDNN_VERSION
+    return (
+        f"gpu_device_info {{\n{info}\n  cuda_compute_capability {{\n    major: 9\n    minor: 0\n  }}\n}}\n"
+        f'platform_name: "CUDA"\n'
+        f"dnn_version_info {{\n  major: {major}\n  minor: {minor}\n  patch: {patch}\n}}\n"
+        f'device_description_str: "NVIDIA H100 80GB HBM3"\n'
+    )
+
+
+def topology(gpus: int) -> str:
+    """The CUDA plugin's `slices x hosts x GPUs per host` for `gpus` H100s."""
+    return f"1x{math.ceil(gpus / GPUS_PER_HOST)}x{min(gpus, GPUS_PER_HOST)}"
+
 
 FAMILY = Family(
     name="gpu",
@@ -12,16 +57,29 @@ FAMILY = Family(
         "NVIDIA H100 SXM",
         peak_bf16_flops=989e12,
         hbm_bytes=80 * GIB,
-        devices_per_host=8,
+        devices_per_host=GPUS_PER_HOST,
         capabilities=frozenset({"host_offload", "int8", "fp8"}),
     ),
     rules=(
         # NVLink inside a host is fast enough for FSDP's all-gathers; across hosts InfiniBand is not, so replicate.
-        MeshRule(r"gpu-h100-[1-8]", {"fsdp": -1}, why="fully sharded data parallel over one host's NVLink"),
-        MeshRule(r"gpu-h100-\d+", {"data": -1, "fsdp": 8}, why="data parallel across hosts, fsdp within each"),
+        # Two 4k sequences per pass keep a 7-8B model's saved projections near 22 GiB of the 80.
+        MeshRule(
+            r"gpu-h100-[1-8]",
+            {"fsdp": -1},
+            why="fully sharded data parallel over one host's NVLink",
+            microbatch=2,
+        ),
+        MeshRule(
+            r"gpu-h100-\d+",
+            {"data": -1, "fsdp": 8},
+            why="data parallel across hosts, fsdp within each",
+            microbatch=2,
+        ),
     ),
     compute_dtype="bfloat16",
     attention="cudnn",
+    kernels=("cudnn", "xla"),
+    platform="cuda",
     # Latency-hiding scheduler overlaps FSDP's collectives with compute.
     xla_flags=("--xla_gpu_enable_latency_hiding_scheduler=true",),
     # 80 GiB holds every projection's output of a 7-8B model at 8k context; recomputing only the cheap
@@ -29,4 +87,5 @@ FAMILY = Family(
     remat=Remat(policy="save_dots"),
     # Hopper's fp8 tensor cores run at twice the bf16 rate, and fp8 keeps more range than int8 for activations.
     quantize_dtype="fp8",
+    topology=topology,
 )

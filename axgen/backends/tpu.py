@@ -1,7 +1,11 @@
-"""TPU targets `tpu-v5e-N`, `tpu-v5p-N`, `tpu-v6e-N`: N chips, bf16 compute, XLA attention."""
+"""TPU targets `tpu-v5e-N`, `tpu-v5p-N`, `tpu-v6e-N`: N chips, bf16 compute, splash attention; `tpu-v5e-NxS` is
+S slices of N chips."""
 
-from axgen.backends.common import GIB, Chip, Family, MeshRule
-from axgen.spec import Remat
+import functools
+import math
+
+from axgen.backends.common import GIB, Chip, Family
+from axgen.spec import MeshRule, Remat, SpecError
 
 # Every generation has int8 MXU paths and host memory that XLA can offload to; none has fp8 matmuls.
 CAPABILITIES = frozenset({"host_offload", "int8"})
@@ -20,23 +24,66 @@ REMAT = {
 }
 
 RULES = (
-    # Past 256 chips one slice's ICI ends: data parallel across slices, FSDP within one.
-    MeshRule(r"tpu-v5p-(512|1024|2048)", {"data": -1, "fsdp": 256}, why="data across slices, fsdp within"),
-    # A 7-8B model's weights and optimizer state only fit 16 GiB chips when sharded over every chip.
+    # AXLearn's v5e recipe for 7B: weights and Adam moments fit 16 GiB only when sharded over all 256 chips, and
+    # one 4k sequence per chip per pass, with every saved projection offloaded to host memory, leaves room for the
+    # activations; the spec's batch is reached by accumulating passes.
+    MeshRule(
+        r"tpu-v5e-256(x\d+)?",
+        {"fsdp": -1},
+        why="fully sharded over the slice, projections offloaded to host, one sequence per chip per pass",
+        remat=Remat(policy="offload_dots"),
+        microbatch=1,
+    ),
+    # Slices meet over the data-centre network, a fraction of ICI's bandwidth: only data parallelism's one
+    # gradient reduction per step crosses it (the slices multiply `data`).
+    MeshRule(r"tpu-v\w+-\d+x\d+", {"fsdp": -1}, why="data across slices over DCN, fsdp within each slice"),
+    # Past 256 chips, FSDP's all-gathers would span more chips than they can hide behind one layer's compute.
+    MeshRule(r"tpu-v5p-(512|1024|2048)", {"data": -1, "fsdp": 256}, why="data across 256-chip groups, fsdp within"),
+    # A 7-8B model's weights and optimizer state only fit 16-32 GiB chips when sharded over every chip.
     MeshRule(r"tpu-v.*", {"fsdp": -1}, why="fully sharded data parallel over every chip of the slice"),
 )
+# Let collectives run asynchronously and fuse FSDP's all-gathers with the matmuls that consume them (MaxText's
+# flags for FSDP on TPU).
+LIBTPU_FLAGS = (
+    "--xla_tpu_enable_async_collective_fusion=true",
+    "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
+    "--xla_tpu_overlap_compute_collective_tc=true",
+    "--xla_enable_async_all_gather=true",
+)
+
+
+def topology(generation: str, chips: int) -> str:
+    """libtpu's name for a slice of `chips` chips: a 2-D torus for v5e and v6e (`v5e:16x16`), 3-D for v5p
+    (`v5p:4x4x8`), the shortest side doubled in turn, as Cloud TPU slices are shaped."""
+    if chips & (chips - 1):
+        raise SpecError(f"no TPU {generation} slice has {chips} chips (slices have a power of two)")
+    if generation != "v5p":
+        sides = [1, 1]
+    else:
+        sides = [2, 2, 1] if chips >= 4 else [chips, 1, 1]  # the smallest v5p slice is 2x2x1
+    while math.prod(sides) < chips:
+        smallest = min(sides)
+        sides[max(i for i, side in enumerate(sides) if side == smallest)] *= 2
+    return f"{generation}:{'x'.join(map(str, sides))}"
 
 
 def family(generation: str) -> Family:
     return Family(
         name="tpu",
-        pattern=rf"tpu-{generation}-(\d+)",
-        display=f"tpu-{generation}-N",
+        pattern=rf"tpu-{generation}-(\d+)(?:x(\d+))?",
+        display=f"tpu-{generation}-N[xS]",
         chip=CHIPS[generation],
         rules=RULES,
         compute_dtype="bfloat16",
-        attention="xla",
+        # Pallas splash attention: blockwise and causal-aware, it skips the masked half of the blocks and never
+        # holds a [seq, seq] score matrix.
+        attention="splash",
+        kernels=("splash", "xla"),
+        platform="tpu",
+        flags_variable="LIBTPU_INIT_ARGS",
+        xla_flags=LIBTPU_FLAGS,
         remat=REMAT[generation],
+        topology=functools.partial(topology, generation),
     )
 
 

@@ -3,8 +3,8 @@
 No Neuron compiler is reachable from here: these programs are proven on CPU with the trn2 mesh on fake devices.
 """
 
-from axgen.backends.common import GIB, Chip, Family, MeshRule
-from axgen.spec import Remat
+from axgen.backends.common import GIB, Chip, Family
+from axgen.spec import MeshRule, Remat
 
 FAMILY = Family(
     name="trainium",
@@ -20,11 +20,18 @@ FAMILY = Family(
         capabilities=frozenset({"fp8"}),
     ),
     rules=(
-        # Tensor parallelism over 4 chips keeps its all-reduces on the fastest NeuronLink ring; fsdp across.
-        MeshRule(r"trn2-\d+", {"fsdp": -1, "model": 4}, why="model=4 inside a chip group, fsdp across"),
+        # Tensor parallelism over 4 chips keeps its all-reduces on the fastest NeuronLink ring; fsdp across. Each
+        # group of 4 runs one batch, so two sequences per pass give each chip a quarter of 2 sequences' work.
+        MeshRule(
+            r"trn2-\d+",
+            {"fsdp": -1, "model": 4},
+            why="model=4 inside a chip group, fsdp across",
+            microbatch=2,
+        ),
     ),
     compute_dtype="bfloat16",
     attention="xla",
+    platform="neuron",
     # 96 GiB per chip, like H100's 80: keep every projection's output.
     remat=Remat(policy="save_dots"),
     quantize_dtype="fp8",

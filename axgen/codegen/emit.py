@@ -97,10 +97,11 @@ def _context(env, graph, plan, spec, passes, spec_path, output_name) -> dict:
         "plan": plan,
         "mesh_text": " ".join(f"{axis}={size}" for axis, size in plan.mesh),
         "mesh_dict": repr(dict(plan.mesh)),
+        "dcn_mesh_dict": repr(dict(plan.dcn_mesh)),
         "passes_text": " · ".join(_pass_text(p.feature) for p in passes) or "none",
         "config": _config(spec, graph),
         "params_tree": _params_tree(graph),
-        "helpers": _helpers(env, graph, ops),
+        "helpers": _helpers(env, graph, plan, ops),
         "blocks": [_block(env, graph, plan, region) for region in graph.blocks()],
         "groups": groups,
         "regroup": any(call["per_step"] > 1 for group in groups for call in group["calls"]),
@@ -117,6 +118,7 @@ def _context(env, graph, plan, spec, passes, spec_path, output_name) -> dict:
         "statistics": any(not p.trained for node in graph.nodes() for p in node.params.values()),
         "uses_checkpoint_name": any(n.attrs.get("checkpoint_name") for n in graph.nodes()),
         "uses_functools": bool(remat_policy or _quantized(graph)),
+        "uses_splash": plan.attention == "splash" and "attention" in ops,
         "aux_names": sorted({name for node in graph.nodes() for name in node.attrs.get("aux", ())}),
     }
 
@@ -200,13 +202,15 @@ def _param_entry(param, stack: int | None = None) -> str:
     return f'"{param.key}": ParamSpec({shape!r}, {axes!r}{extra}),'
 
 
-def _helpers(env, graph: Graph, ops: set[str]) -> list[str]:
+def _helpers(env, graph: Graph, plan: Plan, ops: set[str]) -> list[str]:
     families = sorted({OP_TEMPLATES[op] for op in ops if op in OP_TEMPLATES} | ({"quantize"} if _quantized(graph) else set()))
     helpers = []
     for family in families:
         module = env.get_template(f"ops/{family}.j2").module
         if family == "rope":
             helpers.append(module.helpers(ops, next(graph.nodes(op="rope")).attrs["scaling"]))
+        elif family == "attention":
+            helpers.append(module.helpers(ops, plan.attention))
         elif family == "quantize":
             helpers.append(module.helpers(ops, _quantized(graph)))
         elif family == "moe":
@@ -323,7 +327,7 @@ def _lines(env, graph: Graph, plan: Plan, region: str, param_root: str) -> list[
         if provenance != last_provenance:
             lines.append(provenance)
             last_provenance = provenance
-        lines.append(_statement(env, graph, node, param_root))
+        lines.append(_statement(env, graph, node, param_root, plan))
         if node.op in plan.constrained_ops:
             lines.append(f"{node.name} = constrain({node.name}, {node.type.axes!r})")
     return lines
@@ -342,7 +346,7 @@ def _provenance(node: Node, plan: Plan) -> str:
     return "# " + " · ".join(where)
 
 
-def _statement(env, graph: Graph, node: Node, param_root: str) -> str:
+def _statement(env, graph: Graph, node: Node, param_root: str, plan: Plan) -> str:
     args = {slot: src.name for slot, src in graph.inputs(node).items()}
     weights = {role: f'{param_root}["{p.key}"]' for role, p in node.params.items()}
     attrs = dict(node.attrs)
@@ -352,6 +356,8 @@ def _statement(env, graph: Graph, node: Node, param_root: str) -> str:
         )
     if node.op == "scan":
         attrs.update(_scan_call(graph, node, param_root))
+    if node.op == "attention":
+        attrs["kernel"] = plan.attention
     macro = getattr(env.get_template(f"ops/{OP_TEMPLATES[node.op]}.j2").module, node.op)
     statement = str(macro(node.name, attrs, args, weights)).strip()
     return f"{statement}  # {node.type}" if "#" not in statement else statement

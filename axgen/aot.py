@@ -1,0 +1,264 @@
+"""Ahead-of-time compilation of an emitted program's `train_step` for its target, without the target's chips.
+
+TPU programs compile for libtpu's description of the slice (`jax.experimental.topologies`), H100 programs for
+the CUDA plugin's, described by the published facts in backends/gpu.py; Trainium and CPU programs compile on fake
+CPU devices with the target's mesh. Each compile runs in a process of its own (`python -m axgen.aot`), because
+the platform, the flags and the number of fake devices are fixed once jax starts.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from axgen.backends import Plan, plan_for
+from axgen.build import build, output_name, write_atomically
+from axgen.loader import load_spec
+from axgen.spec import display_path
+
+GIB = 1024**3
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+_ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception): .*)$", re.MULTILINE)
+_COLLECTIVE = re.compile(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+# Kernels the compiler did not write itself: Pallas (tpu_custom_call), cuDNN and cuBLAS.
+_CUSTOM_CALL = re.compile(r'custom_call_target="(tpu_custom_call|__cudnn[^"]*|__cublas[^"]*)"')
+
+
+class AotError(RuntimeError):
+    """A compile that failed for a reason other than memory: one line, naming the target."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+    spec: str
+    target: str
+    compiled_for: str  # what stood in for the chips
+    mesh: dict[str, int]
+    grad_accum_steps: int
+    microbatch: int
+    compile_seconds: float
+    hbm_bytes: int  # per device
+    fits: bool
+    peak_bytes: int | None  # per device; None when the compiler stopped at its own out-of-memory check
+    argument_bytes: int | None = None
+    output_bytes: int | None = None
+    alias_bytes: int | None = None
+    temp_bytes: int | None = None
+    host_bytes: int | None = None  # offloaded to pinned host memory
+    flops_per_device: float | None = None  # per step, analytic
+    xla_flops_per_device: float | None = None  # as XLA reports them: each scan body counted once
+    collectives: dict[str, int] = dataclasses.field(default_factory=dict)
+    kernels: dict[str, int] = dataclasses.field(default_factory=dict)  # custom calls: Pallas, cuDNN, ...
+    out_of_memory: str | None = None  # the compiler's own message when it refused
+
+    def text(self) -> str:
+        mesh = " ".join(f"{axis}={size}" for axis, size in self.mesh.items())
+        lines = [
+            f"{self.spec} on {self.target}: compiled for {self.compiled_for} in {self.compile_seconds:.1f}s",
+            f"  mesh {mesh}; per device, {self.grad_accum_steps} x {self.microbatch} sequences (microbatches x size)",
+        ]
+        hbm = f"{self.hbm_bytes / GIB:.1f} GiB HBM"
+        if self.peak_bytes is None:
+            lines.append(f"  does not fit {hbm}: {self.out_of_memory}")
+            return "\n".join(lines)
+        lines.append(
+            f"  per device: arguments {_gib(self.argument_bytes)}, outputs {_gib(self.output_bytes)} "
+            f"(aliased {_gib(self.alias_bytes)}), temporaries {_gib(self.temp_bytes)}; peak {_gib(self.peak_bytes)} "
+            f"of {hbm}: {'fits' if self.fits else 'DOES NOT FIT'}"
+        )
+        if self.host_bytes:
+            lines.append(f"  offloaded to host memory: {_gib(self.host_bytes)}")
+        xla = (
+            f"; XLA reports {self.xla_flops_per_device:.3g}, counting each scan body (layers, microbatches) once"
+            if self.xla_flops_per_device
+            else "; XLA gives no FLOP count for this platform"
+        )
+        lines.append(f"  FLOPs per device per step: {self.flops_per_device:.3g} analytic (6 x weights + attention){xla}")
+        for what, counts in (("collectives", self.collectives), ("custom-call kernels", self.kernels)):
+            found = ", ".join(f"{name} {count}" for name, count in counts.items()) or "none"
+            lines.append(f"  {what} in the optimized HLO: {found}")
+        return "\n".join(lines)
+
+
+def _gib(n: int | None) -> str:
+    return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 1024**2:.1f} MiB"
+
+
+def compile_target(spec_path: str | Path, target: str, timeout: float | None = None) -> Report:
+    """Builds the program, then compiles its train_step in a fresh process set up for the target."""
+    built = build(spec_path, target)
+    with tempfile.TemporaryDirectory(prefix="axgen-aot-") as tmp:
+        program = Path(tmp) / output_name(target)
+        program.write_text(built.source)
+        command = [sys.executable, "-m", "axgen.aot", str(program), str(spec_path), target]
+        try:
+            result = subprocess.run(
+                command, env=_environment(built.plan), capture_output=True, text=True, timeout=timeout
+            )
+        except subprocess.TimeoutExpired:
+            raise AotError(f"{target}: the compile took longer than {timeout:.0f}s") from None
+    if result.returncode != 0:
+        errors = _ERROR_LINE.findall(result.stderr) or [f"exit status {result.returncode}"]
+        raise AotError(f"{display_path(str(spec_path))} on {target}: the compile failed: {errors[-1]}")
+    return Report(**json.loads(result.stdout.splitlines()[-1]))
+
+
+def _environment(plan: Plan) -> dict[str, str]:
+    """The compile process's environment: jax on CPU (the plugins then describe chips without probing for them,
+    and compiles may share libtpu), the program's own flags, and as many fake CPU devices as the mesh needs where
+    there is no topology."""
+    env = {k: v for k, v in os.environ.items() if k not in ("AXGEN_XLA_KERNELS", "XLA_FLAGS", "LIBTPU_INIT_ARGS")}
+    env.update(JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+    flags = {plan.flags_variable: list(plan.xla_flags)}
+    if plan.topology is None:
+        flags.setdefault("XLA_FLAGS", []).append(f"--xla_force_host_platform_device_count={plan.num_devices}")
+    env.update({name: " ".join(values) for name, values in flags.items()})
+    return env
+
+
+def _compile_here(program_path: str, spec_path: str, target: str) -> Report:
+    """Runs in the compile process: imports the program, builds its mesh on the stand-in devices, compiles."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from axgen.interop import load_program
+
+    plan = plan_for(load_spec(spec_path), target)
+    program = load_program(program_path)
+    devices, compiled_for = _devices(plan)
+    mesh = program.make_mesh(devices)
+    batch, seq_len = program.CONFIG["global_batch"], program.CONFIG["seq_len"]
+    common = dict(
+        spec=program.CONFIG["model"],
+        target=target,
+        compiled_for=compiled_for,
+        mesh=dict(program.MESH_SHAPE),
+        grad_accum_steps=plan.grad_accum_steps,
+        microbatch=plan.microbatch,
+        hbm_bytes=plan.chip.hbm_bytes,
+    )
+    # Shardings first, outside the mesh: optax builds them from a small eager init on the host.
+    step = program.compile_train_step(mesh)
+    state = jax.tree.map(
+        lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+        jax.eval_shape(lambda: program.init_state(jax.random.key(0))),
+        program.state_shardings(mesh),
+    )
+    batch_spec = program.logical_to_mesh(("batch", "seq"), (batch, 1), mesh.shape)
+    tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32, sharding=NamedSharding(mesh, batch_spec))
+    with jax.set_mesh(mesh):
+        began = time.perf_counter()
+        try:
+            compiled = step.lower(state, tokens).compile()
+        except Exception as err:  # the TPU compiler's own out-of-memory check; anything else is a failure
+            if "RESOURCE_EXHAUSTED" not in str(err):
+                raise
+            message = next(line for line in str(err).splitlines() if "RESOURCE_EXHAUSTED" in line)
+            return Report(
+                **common,
+                compile_seconds=time.perf_counter() - began,
+                fits=False,
+                peak_bytes=None,
+                out_of_memory=message.strip(),
+            )
+    seconds = time.perf_counter() - began
+    hlo = compiled.as_text()
+    memory = compiled.memory_analysis()
+    peak = max(
+        memory.peak_memory_in_bytes,
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes
+    )
+    return Report(
+        **common,
+        compile_seconds=seconds,
+        fits=peak <= plan.chip.hbm_bytes,
+        peak_bytes=peak,
+        argument_bytes=memory.argument_size_in_bytes,
+        output_bytes=memory.output_size_in_bytes,
+        alias_bytes=memory.alias_size_in_bytes,
+        temp_bytes=memory.temp_size_in_bytes,
+        host_bytes=memory.host_argument_size_in_bytes + memory.host_temp_size_in_bytes,
+        flops_per_device=program.CONFIG["flops_per_token"] * batch * seq_len / plan.num_devices,
+        xla_flops_per_device=_xla_flops(compiled),
+        collectives=_count(_COLLECTIVE, hlo),
+        kernels=_count(_CUSTOM_CALL, hlo),
+    )
+
+
+def _devices(plan: Plan) -> tuple[list, str]:
+    """The devices to compile for, and what they stand for, in words."""
+    import jax
+    from jax.experimental import topologies
+
+    from axgen.backends import gpu
+
+    count = f"{plan.num_devices} x {plan.chip.name}"
+    if plan.platform == "tpu":
+        slices = {"num_slices": plan.num_slices} if plan.num_slices > 1 else {}
+        topology = topologies.get_topology_desc(topology_name=plan.topology, platform="tpu", **slices)
+        where = f"{plan.num_slices} slices of " if plan.num_slices > 1 else ""
+        return topology.devices, f"{count} (libtpu topology {where}{plan.topology})"
+    if plan.platform == "cuda":
+        topology = topologies.get_topology_desc(
+            platform="cuda", target_config=gpu.target_config(), topology=plan.topology
+        )
+        return topology.devices, f"{count} (CUDA plugin topology {plan.topology})"
+    devices = jax.devices("cpu")
+    if len(devices) < plan.num_devices:
+        raise AotError(f"{plan.target} needs {plan.num_devices} fake CPU devices; jax started with {len(devices)}")
+    return devices[: plan.num_devices], f"{count} emulated by {plan.num_devices} fake CPU devices"
+
+
+def _xla_flops(compiled) -> float | None:
+    cost = compiled.cost_analysis()
+    if isinstance(cost, list):
+        cost = cost[0] if cost else None
+    return float(cost["flops"]) if cost and cost.get("flops") else None
+
+
+def _count(pattern: re.Pattern, hlo: str) -> dict[str, int]:
+    return dict(sorted(collections.Counter(pattern.findall(hlo)).items()))
+
+
+def markdown(reports: list[Report], failures: list[str], command: str) -> str:
+    """docs/aot.md: every spec x target, HBM per device and whether it fits."""
+    lines = [
+        "# Ahead-of-time compilation: every spec on every target",
+        "",
+        f"Regenerate with `{command}`. Each row compiles the program in `generated/` for its target's chips",
+        "without them: TPU through libtpu's topology, H100 through the CUDA plugin, Trainium and CPU on fake CPU",
+        "devices with the target's mesh (their memory figures are XLA's CPU layout, an estimate). Peak is per device.",
+        "",
+        "| spec | target | compiled for | mesh | microbatches | peak / HBM per device | fits | compile |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in reports:
+        mesh = " ".join(f"{axis}={size}" for axis, size in r.mesh.items() if size > 1) or "1 device"
+        peak = _gib(r.peak_bytes) if r.peak_bytes is not None else "over (compiler refused)"
+        lines.append(
+            f"| {r.spec} | {r.target} | {r.compiled_for} | {mesh} | {r.grad_accum_steps} x {r.microbatch} "
+            f"| {peak} / {r.hbm_bytes / GIB:.0f} GiB | {'yes' if r.fits else '**no**'} | {r.compile_seconds:.0f}s |"
+        )
+    if failures:
+        lines += ["", "Compiles that failed for another reason:", ""] + [f"- {f}" for f in failures]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(path: Path, reports: list[Report], failures: list[str], command: str) -> None:
+    write_atomically(path, markdown(reports, failures, command))
+
+
+if __name__ == "__main__":
+    print(json.dumps(dataclasses.asdict(_compile_here(*sys.argv[1:4]))))

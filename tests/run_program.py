@@ -1,0 +1,29 @@
+"""Runs an emitted program's `main()` on fake CPU devices, as its own target's mesh or as one device:
+
+    python tests/run_program.py PROGRAM DEVICES [--single-device] -- --data ... --ckpt-dir ... --steps N
+
+One process stands in for every host, and AXGEN_XLA_KERNELS=1 (the programs' one switch) takes the XLA path for
+kernels that exist only on the chip. With --single-device the mesh is all ones: the same code, unsharded.
+"""
+
+import os
+import sys
+
+program_path, devices, *rest = sys.argv[1:]
+single_device = rest[0] == "--single-device"
+program_args = rest[rest.index("--") + 1 :]
+os.environ.update(
+    JAX_PLATFORMS="cpu",
+    AXGEN_XLA_KERNELS="1",
+    XLA_FLAGS=f"--xla_force_host_platform_device_count={1 if single_device else devices}",
+)
+
+from axgen.interop import load_program  # noqa: E402  (after the environment is set)
+
+program = load_program(program_path)
+program.NUM_HOSTS = 1
+if single_device:
+    program.MESH_SHAPE = {axis: 1 for axis in program.MESH_SHAPE}
+    program.DCN_MESH_SHAPE = dict(program.MESH_SHAPE)
+    program.XLA_FLAGS = []
+program.main(program_args)

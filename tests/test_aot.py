@@ -1,0 +1,82 @@
+"""`axgen aot` compiles the emitted train step for chips this machine does not have: TPU through libtpu, H100
+through the CUDA plugin, Trainium on fake CPU devices. Exit 1, with the figure, when a program does not fit."""
+
+import json
+
+import pytest
+
+from axgen.aot import Report, markdown
+from axgen.cli import main as axgen
+from tests.conftest import ROOT
+
+TINY = str(ROOT / "specs/llama_tiny.py")
+
+
+def aot(capsys, *args):
+    code = axgen(["aot", *args, "--json"])
+    captured = capsys.readouterr()
+    reports = [json.loads(line) for line in captured.out.splitlines() if line.startswith("{")]
+    return code, reports, captured.err
+
+
+def test_tpu_program_compiles_for_a_v5e_slice_with_the_splash_kernel(capsys):
+    code, [report], _ = aot(capsys, TINY, "--target", "tpu-v5e-8")
+    assert code == 0 and report["fits"]
+    assert report["compiled_for"] == "8 x TPU v5e (libtpu topology v5e:2x4)"
+    assert 0 < report["peak_bytes"] < report["hbm_bytes"] == 16 * 1024**3
+    assert report["kernels"].get("tpu_custom_call", 0) >= 2, "splash attention forward and backward"
+    assert report["collectives"].get("all-gather", 0) > 0, "fsdp gathers weights"
+    assert report["xla_flops_per_device"] > 0 and report["flops_per_device"] > 0
+
+
+def test_h100_program_compiles_through_the_cuda_plugin_with_cudnn_attention(capsys):
+    code, [report], _ = aot(capsys, TINY, "--target", "gpu-h100-8")
+    assert code == 0 and report["fits"]
+    assert report["compiled_for"] == "8 x NVIDIA H100 SXM (CUDA plugin topology 1x1x8)"
+    assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward"} <= set(report["kernels"])
+    assert report["xla_flops_per_device"] is None, "XLA counts no FLOPs on GPU; the analytic figure stands"
+
+
+def test_multi_slice_program_compiles_on_a_hybrid_mesh(capsys):
+    code, [report], _ = aot(capsys, TINY, "--target", "tpu-v5e-4x2")
+    assert code == 0 and report["compiled_for"] == "8 x TPU v5e (libtpu topology 2 slices of v5e:2x2)"
+    assert report["mesh"] == {"data": 2, "fsdp": 4, "expert": 1, "model": 1}
+
+
+def test_trainium_program_compiles_on_fake_cpu_devices_with_its_mesh(capsys):
+    code, [report], _ = aot(capsys, TINY, "--target", "trn2-16")
+    assert code == 0 and report["compiled_for"] == "16 x AWS Trainium2 emulated by 16 fake CPU devices"
+    assert report["mesh"] == {"data": 1, "fsdp": 4, "expert": 1, "model": 4}
+    assert report["grad_accum_steps"] == 2 and report["microbatch"] == 2
+
+
+def test_a_program_that_does_not_fit_exits_1_with_the_figure(tmp_path, capsys):
+    spec = tmp_path / "specs" / "wide_vocab.py"
+    spec.parent.mkdir()
+    spec.write_text(
+        "from specs.llama_tiny import spec as tiny\nspec = tiny.replace(vocab_size=4_000_000, targets=['tpu-v5e-1'])\n"
+    )
+    code = axgen(["aot", str(spec)])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "does not fit 16.0 GiB HBM: RESOURCE_EXHAUSTED" in out and "exceeds available HBM" in out
+
+
+def test_report_table_says_what_fits():
+    common = dict(spec="m", compiled_for="8 x TPU v5e", grad_accum_steps=4, microbatch=1, compile_seconds=3.0,
+                  hbm_bytes=16 * 1024**3)
+    fits = Report(**common, target="tpu-v5e-8", mesh={"data": 1, "fsdp": 8}, fits=True, peak_bytes=9 * 1024**3)
+    refused = Report(**common, target="tpu-v5e-1", mesh={"data": 1}, fits=False, peak_bytes=None,
+                     out_of_memory="RESOURCE_EXHAUSTED: ... (41.98G) exceeds available HBM (15.75G)")
+    table = markdown([fits, refused], ["specs/x.py on cpu-8: the compile failed: ValueError: boom"], "cmd")
+    assert "| m | tpu-v5e-8 | 8 x TPU v5e | fsdp=8 | 4 x 1 | 9.00 GiB / 16 GiB | yes | 3s |" in table
+    assert "| m | tpu-v5e-1 | 8 x TPU v5e | 1 device | 4 x 1 | over (compiler refused) / 16 GiB | **no** | 3s |" in table
+    assert "- specs/x.py on cpu-8: the compile failed: ValueError: boom" in table
+
+
+@pytest.mark.parametrize("args", [["--target", "gpu-a100-8"], []])
+def test_bad_aot_requests_are_one_line(capsys, args):
+    spec = [] if not args else [TINY]
+    assert axgen(["aot", *spec, *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("axgen: error: ") and len(err.splitlines()) == 1

@@ -1,0 +1,170 @@
+"""Mesh rules and their modifiers: a spec's rules come first, backends' defaults follow; gradient accumulation
+equals the one-pass step; the TPU splash kernel equals XLA attention; multi-slice targets split `data`."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from axgen.backends import plan_for
+from axgen.build import build, write_atomically
+from axgen.interop import load_program
+from axgen.loader import load_spec
+from axgen.spec import MeshRule, Remat
+from tests.conftest import ROOT
+
+TINY = ROOT / "specs/llama_tiny.py"
+
+
+def tiny_with(tmp_path, name, rules: str, features: str = "tiny.features"):
+    """llama_tiny with `rules` prepended; a spec file in a specs/ folder so the program's provenance is stable."""
+    path = tmp_path / "specs" / f"{name}.py"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(
+        "from axgen.spec import MeshRule, Remat\nfrom axgen.spec import features as F\n"
+        "from specs.llama_tiny import spec as tiny\n"
+        f"spec = tiny.replace(mesh_rules=[{rules}], features={features})\n"
+    )
+    return path
+
+
+def program_for(tmp_path, spec_path, target):
+    out = tmp_path / f"{spec_path.stem}_{target.replace('-', '_')}.py"
+    write_atomically(out, build(spec_path, target).source)
+    return load_program(out)
+
+
+def test_backend_defaults_for_a_7b_model():
+    llama2 = load_spec(ROOT / "specs/llama2_7b.py")
+    v5e = plan_for(llama2, "tpu-v5e-256")
+    assert dict(v5e.mesh) == {"data": 1, "fsdp": 256, "expert": 1, "model": 1}
+    assert v5e.feature("remat").policy == "offload_dots" and v5e.microbatch == 1 and v5e.grad_accum_steps == 4
+    assert v5e.attention == "splash" and v5e.attention_block == 512 and v5e.num_hosts == 64
+    assert v5e.flags_variable == "LIBTPU_INIT_ARGS" and v5e.topology == "v5e:16x16"
+    h100 = plan_for(llama2, "gpu-h100-8")
+    assert dict(h100.mesh)["fsdp"] == 8 and h100.attention == "cudnn" and h100.topology == "1x1x8"
+    trn2 = plan_for(llama2, "trn2-16")
+    assert dict(trn2.mesh) == {"data": 1, "fsdp": 4, "expert": 1, "model": 4} and trn2.topology is None
+    llama3_8b = load_spec(ROOT / "specs/llama3_8b.py")
+    assert dict(plan_for(llama3_8b, "gpu-h100-64").mesh) == {"data": 8, "fsdp": 8, "expert": 1, "model": 1}
+    llama3_70b = load_spec(ROOT / "specs/llama3_70b.py")
+    assert dict(plan_for(llama3_70b, "tpu-v5p-512").mesh) == {"data": 2, "fsdp": 256, "expert": 1, "model": 1}
+    # The 70B spec's own rule comes first: its weights need every GPU's memory.
+    assert dict(plan_for(llama3_70b, "gpu-h100-64").mesh) == {"data": 1, "fsdp": 64, "expert": 1, "model": 1}
+
+
+def test_multi_slice_target_puts_slices_on_data():
+    plan = plan_for(load_spec(ROOT / "specs/llama2_7b.py"), "tpu-v5e-256x2")
+    assert dict(plan.mesh) == {"data": 2, "fsdp": 256, "expert": 1, "model": 1}
+    assert dict(plan.dcn_mesh) == {"data": 2, "fsdp": 1, "expert": 1, "model": 1}
+    assert plan.num_devices == 512 and plan.num_hosts == 128 and plan.grad_accum_steps == 2
+    source = (ROOT / "generated/llama_tiny/tpu_v5e_4x2.py").read_text()
+    assert 'DCN_MESH_SHAPE = {"data": 2, "fsdp": 1, "expert": 1, "model": 1}' in source
+    assert "mesh_utils.create_hybrid_device_mesh(" in source
+    program = load_program(ROOT / "generated/llama_tiny/tpu_v5e_4x2.py")
+    assert dict(program.make_mesh().shape) == {"data": 2, "fsdp": 4, "expert": 1, "model": 1}
+
+
+def test_spec_rules_come_before_the_backends(tmp_path):
+    rule = 'MeshRule(r"cpu-8", {"data": 4, "model": 2}, why="spec says", microbatch=1, remat=Remat(policy="full"))'
+    plan = plan_for(load_spec(tiny_with(tmp_path, "ruled", rule)), "cpu-8")
+    assert dict(plan.mesh) == {"data": 4, "fsdp": 1, "expert": 1, "model": 2}
+    assert plan.rule.origin.file == "specs/ruled.py" and plan.grad_accum_steps == 4
+    assert plan.feature("remat").policy == "full"
+    unmatched = plan_for(load_spec(tiny_with(tmp_path, "ruled", rule)), "cpu-1")
+    assert unmatched.rule.why == "one device: the unsharded reference run"
+
+
+def test_a_rule_can_choose_the_xla_attention_on_tpu(tmp_path):
+    spec = tiny_with(tmp_path, "xla_on_tpu", 'MeshRule(r"tpu-.*", {"fsdp": -1}, why="compare", attention="xla")')
+    source = build(spec, "tpu-v5e-8").source
+    assert 'ATTENTION_IMPL = "xla"' in source and "splash" not in source
+    assert "jax.nn.dot_product_attention(" in source
+
+
+@pytest.mark.parametrize(
+    ("rule", "target", "message"),
+    [
+        ('MeshRule(r"cpu-8", {"fsdp": 3}, why="x")', "cpu-8",
+         "MeshRule.mesh={'fsdp': 3} (pattern 'cpu-8') does not fit the 8 devices of target cpu-8"),
+        ('MeshRule(r"cpu-1", {}, why="x", microbatch=3)', "cpu-1",
+         "MeshRule.microbatch=3 does not divide the 16 sequences per device that Train.global_batch=16 gives on "
+         "target cpu-1"),
+        ('MeshRule(r"tpu-v5e-8", {"fsdp": -1}, why="x", attention="cudnn")', "tpu-v5e-8",
+         "MeshRule.attention='cudnn' is not a kernel of target tpu-v5e-8 (TPU v5e runs splash, xla)"),
+        ('MeshRule(r"tpu-v5e-8", {"fsdp": -1}, why="x", attention_block=256)', "tpu-v5e-8",
+         "Train.seq_len=128 is not a multiple of the 256-long blocks of splash attention on target tpu-v5e-8"),
+    ],
+    ids=["mesh", "microbatch", "kernel", "block"],
+)
+def test_a_rule_that_cannot_apply_is_one_line(tmp_path, rule, target, message):
+    with pytest.raises(Exception) as err:
+        plan_for(load_spec(tiny_with(tmp_path, "bad_rule", rule)), target)
+    assert message in str(err.value) and len(str(err.value).splitlines()) == 1
+    assert "specs/" in str(err.value)
+
+
+def test_rule_fields_are_checked_where_the_rule_is_written():
+    with pytest.raises(Exception, match=r"MeshRule.mesh=\{'fsdb': 2\} has axis 'fsdb', .* did you mean 'fsdp'\?"):
+        MeshRule(r"cpu-8", {"fsdb": 2}, why="typo")
+    with pytest.raises(Exception, match=r"MeshRule.attention='flash' is not one of xla, splash, cudnn"):
+        MeshRule(r"cpu-8", {}, why="x", attention="flash")
+    assert MeshRule(r"cpu-8", {}, why="x", remat=Remat(policy="full")).matches("cpu-8")
+
+
+def one_step(program, tokens):
+    """One train step from the seed-0 state. fp8 amax histories start full (a history of zeros means "use this
+    step's amax", which differs per microbatch), so every scale comes from the history, as after the first step."""
+    state = program.init_state(jax.random.key(0))
+    state["params"] = jax.tree_util.tree_map_with_path(
+        lambda path, p: jnp.full_like(p, 4.0) if "amax_history" in jax.tree_util.keystr(path) else p, state["params"]
+    )
+    new_state, metrics = jax.jit(program.train_step)(state, tokens)
+    return new_state["params"], metrics
+
+
+@pytest.mark.parametrize("features", ["tiny.features", '[*tiny.features, F.quantize(dtype="fp8", scaling="delayed", emulate=True)]'],
+                         ids=["dense", "fp8_delayed"])
+def test_gradient_accumulation_equals_the_one_pass_step(tmp_path, features):
+    rule = 'MeshRule(r"cpu-1", {}, why="four passes of four sequences", microbatch=4)'
+    accumulated = program_for(tmp_path, tiny_with(tmp_path, "accumulated", rule, features), "cpu-1")
+    one_pass = program_for(tmp_path, tiny_with(tmp_path, "one_pass", "", features), "cpu-1")
+    assert accumulated.GRAD_ACCUM_STEPS == 4 and not hasattr(one_pass, "GRAD_ACCUM_STEPS")
+
+    tokens = jax.random.randint(jax.random.key(3), (16, 129), 0, 256)
+    params, metrics = one_step(accumulated, tokens)
+    expected_params, expected_metrics = one_step(one_pass, tokens)
+    np.testing.assert_allclose(metrics["loss"], expected_metrics["loss"], rtol=1e-6)
+    np.testing.assert_allclose(metrics["grad_norm"], expected_metrics["grad_norm"], rtol=1e-5)
+    for path, value in jax.tree_util.tree_leaves_with_path(params):
+        expected = expected_params
+        for key in path:
+            expected = expected[key.key]
+        np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+
+
+def test_splash_kernel_equals_xla_attention_when_sharded():
+    program = load_program(ROOT / "generated/llama_tiny/tpu_v5e_8.py")
+    q, k, v = (
+        jax.random.normal(key, shape)
+        for key, shape in zip(jax.random.split(jax.random.key(0), 3), [(8, 256, 4, 32), (8, 256, 2, 32), (8, 256, 2, 32)])
+    )
+
+    assert program.ATTENTION_IMPL == "splash"
+
+    def loss(attention, q, k, v):
+        return (attention(q, k, v) ** 2).sum()
+
+    xla = functools.partial(jax.nn.dot_product_attention, is_causal=True)
+    expected = xla(q, k, v)
+    expected_grads = jax.grad(functools.partial(loss, xla), argnums=(0, 1, 2))(q, k, v)
+    splash = functools.partial(program.causal_attention, interpret=True)
+    mesh = jax.make_mesh((1, 4, 1, 2), ("data", "fsdp", "expert", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 4)
+    with jax.set_mesh(mesh):
+        out = jax.jit(splash)(q, k, v)
+        grads = jax.jit(jax.grad(lambda q, k, v: loss(splash, q, k, v), argnums=(0, 1, 2)))(q, k, v)
+    np.testing.assert_allclose(out, expected, atol=1e-5)
+    for grad, expected_grad in zip(grads, expected_grads):
+        np.testing.assert_allclose(grad, expected_grad, atol=1e-4 * float(jnp.abs(expected_grad).max()))
