@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -106,7 +107,8 @@ def compile_target(spec_path: str | Path, target: str, timeout: float | None = N
         except subprocess.TimeoutExpired:
             raise AotError(f"{target}: the compile took longer than {timeout:.0f}s") from None
     if result.returncode != 0:
-        errors = _ERROR_LINE.findall(result.stderr) or [f"exit status {result.returncode}"]
+        exit = f"killed by {signal.Signals(-result.returncode).name}" if result.returncode < 0 else "no message"
+        errors = _ERROR_LINE.findall(result.stderr) or [f"the compiler process exited {result.returncode} ({exit})"]
         raise AotError(f"{display_path(str(spec_path))} on {target}: the compile failed: {errors[-1]}")
     return Report(**json.loads(result.stdout.splitlines()[-1]))
 

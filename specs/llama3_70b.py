@@ -23,5 +23,13 @@ spec = llama3_8b.replace(
             microbatch=1,
             remat=Remat(policy="full"),
         ),
+        # Likewise on Trainium2: the backend's model=4 x fsdp, but one sequence per pass and full remat.
+        MeshRule(
+            r"trn2-\d+",
+            {"fsdp": -1, "model": 4},
+            why="70B: model=4 x fsdp, one sequence per pass",
+            microbatch=1,
+            remat=Remat(policy="full"),
+        ),
     ],
 )

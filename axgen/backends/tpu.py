@@ -37,14 +37,16 @@ RULES = (
     # Slices meet over the data-centre network, a fraction of ICI's bandwidth: only data parallelism's one
     # gradient reduction per step crosses it (the slices multiply `data`).
     MeshRule(r"tpu-v\w+-\d+x\d+", {"fsdp": -1}, why="data across slices over DCN, fsdp within each slice"),
-    # Past 256 chips, FSDP's all-gathers would span more chips than they can hide behind one layer's compute.
-    MeshRule(r"tpu-v5p-(512|1024|2048)", {"data": -1, "fsdp": 256}, why="data across 256-chip groups, fsdp within"),
+    # A 64-chip group holds a 70B model's 1.1 TB of weights and Adam moments at 18 GB per 95 GB chip, and keeps
+    # FSDP's all-gathers among 64 chips; 64 is a product of the 8x8x8 and 8x8x16 tori's sides, as a mesh axis must
+    # be (256 is not: fsdp=256 on v5p-512 does not compile).
+    MeshRule(r"tpu-v5p-(512|1024)", {"data": -1, "fsdp": 64}, why="data across 64-chip cubes, fsdp within each"),
     # A 7-8B model's weights and optimizer state only fit 16-32 GiB chips when sharded over every chip.
     MeshRule(r"tpu-v.*", {"fsdp": -1}, why="fully sharded data parallel over every chip of the slice"),
 )
 # Let collectives run asynchronously and fuse FSDP's all-gathers with the matmuls that consume them (MaxText's
-# flags for FSDP on TPU).
-LIBTPU_FLAGS = (
+# flags for FSDP on v5e; v5p's compiler refuses the all-gather fusion, so other generations keep the defaults).
+V5E_FLAGS = (
     "--xla_tpu_enable_async_collective_fusion=true",
     "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
     "--xla_tpu_overlap_compute_collective_tc=true",
@@ -81,7 +83,7 @@ def family(generation: str) -> Family:
         kernels=("splash", "xla"),
         platform="tpu",
         flags_variable="LIBTPU_INIT_ARGS",
-        xla_flags=LIBTPU_FLAGS,
+        xla_flags=V5E_FLAGS if generation == "v5e" else (),
         remat=REMAT[generation],
         topology=functools.partial(topology, generation),
     )
