@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from axgen.backends import Plan, plan_for
-from axgen.build import build, output_name, write_atomically
+from axgen.build import build, output_name
 from axgen.loader import load_spec
 from axgen.spec import display_path
 
@@ -256,10 +256,6 @@ def markdown(reports: list[Report], failures: list[str], command: str) -> str:
     if failures:
         lines += ["", "Compiles that failed for another reason:", ""] + [f"- {f}" for f in failures]
     return "\n".join(lines) + "\n"
-
-
-def write_report(path: Path, reports: list[Report], failures: list[str], command: str) -> None:
-    write_atomically(path, markdown(reports, failures, command))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from axgen.aot import AotError, compile_target, write_report
+from axgen.aot import AotError, compile_target, markdown
 from axgen.backends import FAMILIES, family_for, plan_for
 from axgen.build import build, default_output, write_atomically
 from axgen.corpus import write_token_file
@@ -146,7 +146,7 @@ def _aot(args) -> int:
         print(json.dumps(dataclasses.asdict(report)) if args.json else report.text(), flush=True)
     if args.report:
         command = "axgen aot --all --report " + str(args.report) if args.all else " ".join(sys.argv)
-        write_report(args.report, reports, failures, command)
+        write_atomically(args.report, markdown(reports, failures, command))
         print(f"wrote {args.report}")
     return 1 if failures or not all(r.fits for r in reports) else 0
 

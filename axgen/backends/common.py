@@ -104,9 +104,6 @@ class Plan:
         """The mesh across slices: slices split `data`, every other axis stays inside a slice."""
         return tuple((axis, self.num_slices if axis == "data" else 1) for axis, _ in self.mesh)
 
-    def mesh_size(self, *axes: str) -> int:
-        return math.prod(n for a, n in self.mesh if a in axes)
-
     def feature(self, pass_name: str) -> Feature | None:
         return next((f for f in self.features if f.pass_name == pass_name), None)
 
@@ -117,7 +114,7 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
         raise SpecError(f"{spec.origin}: target {target!r} needs at least one device and one slice")
     rule = next(r for r in (*spec.mesh_rules, *family.rules) if r.matches(target))
     mesh = tuple(
-        (axis, size * slices if axis == "data" else size) for axis, size in _mesh_shape(rule, per_slice, target)
+        (axis, size * slices if axis == "data" else size) for axis, size in _mesh_shape(rule, per_slice, slices, target)
     )
     batch_shards = math.prod(n for a, n in mesh if a in dict(LOGICAL_AXIS_RULES)["batch"])
     per_device_batch = spec.train.global_batch // batch_shards
@@ -126,6 +123,7 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
             "global_batch", f"is not divisible by the {batch_shards} batch shards (data x fsdp x expert) of target {target}"
         )
     microbatch = min(rule.microbatch or per_device_batch, per_device_batch)
+    attention = rule.attention or family.attention
     if per_device_batch % microbatch:
         raise SpecError(
             f"{rule.origin}: MeshRule.microbatch={rule.microbatch} does not divide the {per_device_batch} sequences "
@@ -142,8 +140,8 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
         mesh=mesh,
         rule=rule,
         compute_dtype=rule.compute_dtype or family.compute_dtype,
-        attention=rule.attention or family.attention,
-        attention_block=_attention_block(rule, family, spec),
+        attention=attention,
+        attention_block=_attention_block(rule, attention, spec),
         microbatch=microbatch,
         grad_accum_steps=per_device_batch // microbatch,
         flags_variable=family.flags_variable,
@@ -156,12 +154,12 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
     return plan
 
 
-def _mesh_shape(rule: MeshRule, num_devices: int, target: str) -> tuple[tuple[str, int], ...]:
+def _mesh_shape(rule: MeshRule, num_devices: int, slices: int, target: str) -> tuple[tuple[str, int], ...]:
     """The rule's mesh over `num_devices` (one slice's), every axis named, -1 resolved."""
     fixed = math.prod(n for n in rule.mesh.values() if n != -1)
     rest = [a for a, n in rule.mesh.items() if n == -1]
     if num_devices % fixed or (not rest and fixed != num_devices):
-        per_slice = " per slice" if re.search(r"x\d+$", target) else ""
+        per_slice = " per slice" if slices > 1 else ""
         raise SpecError(
             f"{rule.origin}: MeshRule.mesh={rule.mesh} (pattern {rule.pattern!r}) does not fit the "
             f"{num_devices} devices{per_slice} of target {target}"
@@ -178,9 +176,9 @@ def _features(spec: Model, rule: MeshRule, family: Family) -> tuple[Feature, ...
     return chosen + tuple(f for f in defaults if spec.feature(f.pass_name) is None)
 
 
-def _attention_block(rule: MeshRule, family: Family, spec: Model) -> int | None:
+def _attention_block(rule: MeshRule, attention: str, spec: Model) -> int | None:
     """Splash attention's block length: the rule's, else the largest of 128, 256, 512 that divides seq_len."""
-    if (rule.attention or family.attention) != "splash":
+    if attention != "splash":
         return None
     return rule.attention_block or math.gcd(spec.train.seq_len, 512)
 
