@@ -14,6 +14,15 @@ spec = llama3_8b.replace(
     train=llama3_8b.train.replace(optimizer=llama3_8b.train.optimizer.replace(lr=1.5e-4)),
     targets=["tpu-v5p-512", "gpu-h100-64", "trn2-64", "cpu-8"],
     mesh_rules=[
+        # The backend's v5p-512 layout, data x fsdp=64 (1.1 TB of weights and Adam moments at 18 GB per chip), but
+        # full remat: saving every projection of 80 layers would take 110 GB per 8k sequence.
+        MeshRule(
+            r"tpu-v5p-\d+",
+            {"data": -1, "fsdp": 64},
+            why="70B: data x fsdp=64, one sequence per pass, full remat",
+            microbatch=1,
+            remat=Remat(policy="full"),
+        ),
         # 1.1 TB of weights and Adam moments fit 80 GiB GPUs only when sharded over all of them, not 8 per host;
         # one 8k sequence per pass and full remat keep 80 layers' activations near 10 GiB.
         MeshRule(

@@ -50,6 +50,20 @@ def test_trainium_program_compiles_on_fake_cpu_devices_with_its_mesh(capsys):
     assert report["grad_accum_steps"] == 2 and report["microbatch"] == 2
 
 
+def test_expert_parallel_moe_compiles_for_tpu_with_ragged_matmul_kernels(tmp_path, capsys):
+    spec = tmp_path / "specs" / "moe_ep.py"
+    spec.parent.mkdir()
+    spec.write_text(
+        "from axgen.spec import MeshRule\nfrom specs.moe_tiny import spec as moe\n"
+        "spec = moe.replace(mesh_rules=[MeshRule('tpu-.*', {'fsdp': 2, 'expert': 2, 'model': 2}, why='ep')])\n"
+    )
+    code, [report], _ = aot(capsys, str(spec), "--target", "tpu-v5e-8")
+    assert code == 0 and report["fits"] and report["mesh"] == {"data": 1, "fsdp": 2, "expert": 2, "model": 2}
+    dense_kernels = aot(capsys, TINY, "--target", "tpu-v5e-8")[1][0]["kernels"]["tpu_custom_call"]
+    assert report["kernels"]["tpu_custom_call"] > dense_kernels, "ragged matmuls lower to Pallas kernels"
+    assert report["collectives"].get("reduce-scatter", 0) > 0, "expert outputs summed back to their tokens"
+
+
 def test_a_program_that_does_not_fit_exits_1_with_the_figure(tmp_path, capsys):
     spec = tmp_path / "specs" / "wide_vocab.py"
     spec.parent.mkdir()

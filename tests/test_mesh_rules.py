@@ -49,8 +49,13 @@ def test_backend_defaults_for_a_7b_model():
     assert dict(trn2.mesh) == {"data": 1, "fsdp": 4, "expert": 1, "model": 4} and trn2.topology is None
     llama3_8b = load_spec(ROOT / "specs/llama3_8b.py")
     assert dict(plan_for(llama3_8b, "gpu-h100-64").mesh) == {"data": 8, "fsdp": 8, "expert": 1, "model": 1}
+    v5p = plan_for(llama3_8b, "tpu-v5p-128")
+    assert dict(v5p.mesh)["fsdp"] == 128 and v5p.microbatch == 2 and v5p.grad_accum_steps == 2
+    assert v5p.feature("remat").policy == "save_dots" and v5p.xla_flags == ()
     llama3_70b = load_spec(ROOT / "specs/llama3_70b.py")
-    assert dict(plan_for(llama3_70b, "tpu-v5p-512").mesh) == {"data": 8, "fsdp": 64, "expert": 1, "model": 1}
+    v5p_512 = plan_for(llama3_70b, "tpu-v5p-512")
+    assert dict(v5p_512.mesh) == {"data": 8, "fsdp": 64, "expert": 1, "model": 1}
+    assert v5p_512.feature("remat").policy == "full" and v5p_512.rule.origin.file == "specs/llama3_70b.py"
     # The 70B spec's own rule comes first: its weights need every GPU's memory.
     assert dict(plan_for(llama3_70b, "gpu-h100-64").mesh) == {"data": 1, "fsdp": 64, "expert": 1, "model": 1}
 
@@ -143,6 +148,15 @@ def test_gradient_accumulation_equals_the_one_pass_step(tmp_path, features):
         for key in path:
             expected = expected[key.key]
         np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+
+
+def test_a_batch_that_does_not_split_into_the_microbatches_is_refused(tmp_path, capsys):
+    rule = 'MeshRule(r"cpu-1", {}, why="four passes", microbatch=4)'
+    program = program_for(tmp_path, tiny_with(tmp_path, "accumulated", rule), "cpu-1")
+    assert program.parse_args(["--data", "d", "--ckpt-dir", "c", "--batch", "8"]).batch == 8
+    with pytest.raises(SystemExit):
+        program.parse_args(["--data", "d", "--ckpt-dir", "c", "--batch", "6"])
+    assert "--batch 6 does not split into GRAD_ACCUM_STEPS=4 microbatches" in capsys.readouterr().err
 
 
 def test_splash_kernel_equals_xla_attention_when_sharded():

@@ -166,18 +166,31 @@ def test_moe_program_trains_on_eight_devices_and_logs_its_auxiliary_losses(corpu
     ), last
 
 
-def test_expert_axis_shards_expert_weights_and_keeps_the_forward():
+@pytest.mark.parametrize("mesh_shape", [(2, 1, 2, 2), (1, 2, 2, 2), (1, 8, 1, 1)], ids=["data_expert_model", "fsdp_expert_model", "fsdp"])
+def test_sharded_moe_equals_one_device_in_loss_auxiliary_losses_and_gradients(mesh_shape):
+    """Each device routes its own tokens (with expert parallelism, its expert group's): the loss, the auxiliary
+    losses (means over the whole batch, not one device's rows) and every gradient equal the one-device run."""
     program = load_program(ROOT / "generated/moe_tiny/cpu_8.py")
     params = program.init_params(jax.random.key(1))
-    tokens = jax.random.randint(jax.random.key(2), (8, 16), 0, 256)
-    single = program.forward(params, tokens)
+    tokens = jax.random.randint(jax.random.key(2), (8, 17), 0, 256)
+    grad_fn = jax.value_and_grad(program.loss_fn, has_aux=True)
+    (loss, metrics), grads = grad_fn(params, tokens)
     axis_types = (jax.sharding.AxisType.Auto,) * 4
-    mesh = jax.make_mesh((2, 1, 2, 2), ("data", "fsdp", "expert", "model"), axis_types=axis_types)
+    mesh = jax.make_mesh(mesh_shape, ("data", "fsdp", "expert", "model"), axis_types=axis_types)
     with jax.set_mesh(mesh):
         placed = jax.device_put(params, program.param_shardings(mesh))
-        assert placed["moe_layers"]["w_up"].sharding.spec[:2] == (None, "expert")
-        sharded = jax.jit(program.forward)(placed, tokens)
-    np.testing.assert_allclose(np.asarray(sharded), np.asarray(single), rtol=1e-5, atol=1e-5)
+        if mesh.shape["expert"] > 1:
+            assert placed["moe_layers"]["w_up"].sharding.spec[:2] == (None, "expert")
+        (sharded_loss, sharded_metrics), sharded_grads = jax.jit(grad_fn)(placed, tokens)
+    np.testing.assert_allclose(sharded_loss, loss, rtol=1e-5)
+    for name in ("load_balance_loss", "router_z_loss"):
+        np.testing.assert_allclose(sharded_metrics[name], metrics[name], rtol=1e-5, err_msg=name)
+    for path, grad in jax.tree_util.tree_leaves_with_path(sharded_grads):
+        expected = grads
+        for key in path:
+            expected = expected[key.key]
+        scale = float(jnp.abs(expected).max())
+        np.testing.assert_allclose(grad, expected, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
 
 
 @pytest.mark.parametrize("every", [2, 4])

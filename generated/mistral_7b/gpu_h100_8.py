@@ -433,7 +433,12 @@ def parse_args(argv):
     parser.add_argument("--steps", type=int, default=CONFIG["steps"], help="stop after this global step")
     parser.add_argument("--batch", type=int, default=CONFIG["global_batch"], help="global batch in sequences")
     parser.add_argument("--log-every", type=int, default=10)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.batch % GRAD_ACCUM_STEPS:
+        parser.error(
+            f"--batch {args.batch} does not split into GRAD_ACCUM_STEPS={GRAD_ACCUM_STEPS} microbatches"
+        )
+    return args
 
 
 def main(argv=None):

@@ -170,22 +170,27 @@ def param_shardings(mesh):
 # --- model ---------------------------------------------------------------------------------------------------
 
 
-def route(router_logits, top_k):
+def route(router_logits, top_k, batch_axes=None):
     """Mixtral routing: softmax over the experts in float32, top-k, the k weights renormalised to sum to 1.
 
     Returns the weights and experts [..., top_k] and two auxiliary losses: the Switch Transformer load balance
     num_experts * sum_e(f_e * p_e), f_e = top-k choices of expert e per token, p_e = its mean probability (top_k
-    when perfectly balanced), and the ST-MoE router z-loss mean(logsumexp(logits)^2).
+    when perfectly balanced), and the ST-MoE router z-loss mean(logsumexp(logits)^2). On one device's rows of the
+    batch, split over the mesh axes `batch_axes`, the means are still over the whole batch.
     """
     logits = router_logits.astype(jnp.float32)
     probs = jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)
     weights = weights / weights.sum(axis=-1, keepdims=True)
     num_experts = probs.shape[-1]
-    tokens = tuple(range(probs.ndim - 1))
+
+    def token_mean(x):
+        mean = x.mean(axis=tuple(range(probs.ndim - 1)))
+        return jax.lax.pmean(mean, batch_axes) if batch_axes else mean
+
     choices = jax.nn.one_hot(experts, num_experts).sum(axis=-2)  # [..., experts]: 1 where chosen
-    load_balance = num_experts * jnp.sum(choices.mean(axis=tokens) * probs.mean(axis=tokens))
-    z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
+    load_balance = num_experts * jnp.sum(token_mean(choices) * token_mean(probs))
+    z_loss = token_mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
     return weights, experts, {"load_balance_loss": load_balance, "router_z_loss": z_loss}
 
 
@@ -195,19 +200,57 @@ def expert_mlp(x, gate, up):
 
 
 def moe_dropless(x, router_logits, w_gate, w_up, w_down, top_k):
-    """Mixture of experts that drops no token: each token is copied once per chosen expert, the copies are sorted
-    by expert, and each weight is one ragged matmul over the experts' contiguous groups of rows."""
-    weights, experts, aux = route(router_logits, top_k)
-    tokens = x.reshape(-1, x.shape[-1])  # [batch * seq, embed]
-    flat_experts = experts.reshape(-1)  # [batch * seq * top_k]
-    order = jnp.argsort(flat_experts)
+    """Mixture of experts that drops no token. Each device routes its own rows of the batch: the expert weights
+    reach it whole along `embed` (FSDP's all-gather), split along `expert` and `mlp` as the rules table says.
+    Sorting the whole batch's tokens by expert instead would gather them all onto every device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return moe_dropless_on_device(x, router_logits, w_gate, w_up, w_down, top_k)
+    (batch,) = logical_to_mesh(("batch",), x.shape, mesh.shape)
+    expert, mlp = logical_to_mesh(("expert", "mlp"), (w_up.shape[0], w_up.shape[-1]), mesh.shape)
+
+    def on_device(x, router_logits, w_gate, w_up, w_down):
+        return moe_dropless_on_device(x, router_logits, w_gate, w_up, w_down, top_k, batch, expert, mlp)
+
+    rows, w_in, w_out = P(batch), P(expert, None, mlp), P(expert, mlp, None)
+    return jax.shard_map(
+        on_device, mesh=mesh, in_specs=(rows, rows, w_in, w_in, w_out), out_specs=(rows, P())
+    )(x, router_logits, w_gate, w_up, w_down)
+
+
+def moe_dropless_on_device(
+    x, router_logits, w_gate, w_up, w_down, top_k, batch_axes=None, expert_axes=None, mlp_axes=None
+):
+    """One device's share of `moe_dropless`. Each token is copied once per chosen expert, the copies are sorted by
+    expert, and each weight is one ragged matmul over the experts' contiguous groups of rows. With the experts
+    split over `expert_axes`, the device gathers the tokens of its expert group, computes the copies routed to
+    its own experts (the others sort last, in no group), and the group's partial outputs are summed back onto
+    the devices the tokens came from. With the hidden units split over `mlp_axes`, the partial outputs of the
+    down projection are summed over them."""
+    weights, experts, aux = route(router_logits, top_k, batch_axes)
+    tokens = x.reshape(-1, x.shape[-1])  # [tokens, embed]
+    weights, experts = weights.reshape(-1), experts.reshape(-1)  # [tokens * top_k]
+    if expert_axes:
+        tokens, weights, experts = (
+            jax.lax.all_gather(a, expert_axes, tiled=True) for a in (tokens, weights, experts)
+        )
+        experts = experts - jax.lax.axis_index(expert_axes) * w_up.shape[0]
+    num_experts_here = w_up.shape[0]
+    here = (experts >= 0) & (experts < num_experts_here)
+    experts = jnp.where(here, experts, num_experts_here)
+    order = jnp.argsort(experts)
     token_of_row = order // top_k
     rows = tokens[token_of_row]
-    group_sizes = jnp.bincount(flat_experts, length=w_up.shape[0])
+    group_sizes = jnp.bincount(experts, length=num_experts_here)
     gate = None if w_gate is None else jax.lax.ragged_dot(rows, w_gate, group_sizes)
     hidden = expert_mlp(rows, gate, jax.lax.ragged_dot(rows, w_up, group_sizes))
-    out = jax.lax.ragged_dot(hidden, w_down, group_sizes) * weights.reshape(-1)[order, None].astype(x.dtype)
-    return jnp.zeros_like(tokens).at[token_of_row].add(out).reshape(x.shape), aux
+    out = jax.lax.ragged_dot(hidden, w_down, group_sizes) * weights[order, None].astype(x.dtype)
+    out = jnp.zeros_like(tokens).at[token_of_row].add(jnp.where(here[order, None], out, 0))
+    if mlp_axes:
+        out = jax.lax.psum(out, mlp_axes)
+    if expert_axes:
+        out = jax.lax.psum_scatter(out, expert_axes, tiled=True)
+    return out.reshape(x.shape), aux
 
 
 def rms_norm(x, scale, eps):
@@ -484,7 +527,12 @@ def parse_args(argv):
     parser.add_argument("--steps", type=int, default=CONFIG["steps"], help="stop after this global step")
     parser.add_argument("--batch", type=int, default=CONFIG["global_batch"], help="global batch in sequences")
     parser.add_argument("--log-every", type=int, default=10)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.batch % GRAD_ACCUM_STEPS:
+        parser.error(
+            f"--batch {args.batch} does not split into GRAD_ACCUM_STEPS={GRAD_ACCUM_STEPS} microbatches"
+        )
+    return args
 
 
 def main(argv=None):
