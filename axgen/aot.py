@@ -21,11 +21,11 @@ import time
 from pathlib import Path
 
 from axgen.backends import Plan, plan_for
+from axgen.backends.common import GIB
 from axgen.build import build, output_name
 from axgen.loader import load_spec
 from axgen.spec import display_path
 
-GIB = 1024**3
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception): .*)$", re.MULTILINE)
 _COLLECTIVE = re.compile(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")

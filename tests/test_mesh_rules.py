@@ -143,11 +143,11 @@ def test_gradient_accumulation_equals_the_one_pass_step(tmp_path, features):
     expected_params, expected_metrics = one_step(one_pass, tokens)
     np.testing.assert_allclose(metrics["loss"], expected_metrics["loss"], rtol=1e-6)
     np.testing.assert_allclose(metrics["grad_norm"], expected_metrics["grad_norm"], rtol=1e-5)
-    for path, value in jax.tree_util.tree_leaves_with_path(params):
-        expected = expected_params
-        for key in path:
-            expected = expected[key.key]
+
+    def check(path, value, expected):
         np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
+
+    jax.tree_util.tree_map_with_path(check, params, expected_params)
 
 
 def test_a_batch_that_does_not_split_into_the_microbatches_is_refused(tmp_path, capsys):

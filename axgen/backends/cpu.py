@@ -3,7 +3,7 @@
 float32 because these AVX2 CPUs have no fast bf16 path: MaxText's bf16 steps ran ~1.5x slower than fp32 here.
 """
 
-from axgen.backends.common import Chip, Family
+from axgen.backends.common import GIB, Chip, Family
 from axgen.spec import MeshRule
 
 FAMILY = Family(
@@ -15,7 +15,7 @@ FAMILY = Family(
     chip=Chip(
         "host CPU core",
         peak_bf16_flops=96e9,
-        hbm_bytes=24 * 1024**3,
+        hbm_bytes=24 * GIB,
         devices_per_host=1024,
         capabilities=frozenset({"int8"}),
     ),

@@ -280,12 +280,12 @@ def moe_dropless_on_device(
     weights, experts, aux = route(router_logits, top_k, batch_axes)
     tokens = x.reshape(-1, x.shape[-1])  # [tokens, embed]
     weights, experts = weights.reshape(-1), experts.reshape(-1)  # [tokens * top_k]
+    num_experts_here = w_up.shape[0]
     if expert_axes:
         tokens, weights, experts = (
             jax.lax.all_gather(a, expert_axes, tiled=True) for a in (tokens, weights, experts)
         )
-        experts = experts - jax.lax.axis_index(expert_axes) * w_up.shape[0]
-    num_experts_here = w_up.shape[0]
+        experts = experts - jax.lax.axis_index(expert_axes) * num_experts_here
     here = (experts >= 0) & (experts < num_experts_here)
     experts = jnp.where(here, experts, num_experts_here)
     order = jnp.argsort(experts)
