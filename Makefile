@@ -21,6 +21,7 @@ demo: $(STAMP)
 	$(BIN)/python $(DEMO)/llama_tiny_cpu_8.py --data $(DEMO)/corpus.u16 --ckpt-dir $(DEMO)/ckpt --steps 340 --log-every 20
 
 test: $(STAMP)
+	$(BIN)/black --check --quiet .
 	$(BIN)/axgen build --all --check
 	$(BIN)/python -m pytest
 

@@ -82,7 +82,9 @@ class Report:
             if self.xla_flops_per_device
             else "; XLA gives no FLOP count for this platform"
         )
-        lines.append(f"  FLOPs per device per step: {self.flops_per_device:.3g} analytic (6 x weights + attention){xla}")
+        lines.append(
+            f"  FLOPs per device per step: {self.flops_per_device:.3g} analytic (6 x weights + attention){xla}"
+        )
         for what, counts in (("collectives", self.collectives), ("custom-call kernels", self.kernels)):
             found = ", ".join(f"{name} {count}" for name, count in counts.items()) or "none"
             lines.append(f"  {what} in the optimized HLO: {found}")
@@ -107,8 +109,12 @@ def compile_target(spec_path: str | Path, target: str, timeout: float | None = N
         except subprocess.TimeoutExpired:
             raise AotError(f"{target}: the compile took longer than {timeout:.0f}s") from None
     if result.returncode != 0:
-        exit = f"killed by {signal.Signals(-result.returncode).name}" if result.returncode < 0 else "no message"
-        errors = _ERROR_LINE.findall(result.stderr) or [f"the compiler process exited {result.returncode} ({exit})"]
+        exit = (
+            f"killed by {signal.Signals(-result.returncode).name}" if result.returncode < 0 else "no message"
+        )
+        errors = _ERROR_LINE.findall(result.stderr) or [
+            f"the compiler process exited {result.returncode} ({exit})"
+        ]
         raise AotError(f"{display_path(str(spec_path))} on {target}: the compile failed: {errors[-1]}")
     return Report(**json.loads(result.stdout.splitlines()[-1]))
 
@@ -117,7 +123,9 @@ def _environment(plan: Plan) -> dict[str, str]:
     """The compile process's environment: jax on CPU (the plugins then describe chips without probing for them,
     and compiles may share libtpu), the program's own flags, and as many fake CPU devices as the mesh needs where
     there is no topology."""
-    env = {k: v for k, v in os.environ.items() if k not in ("AXGEN_XLA_KERNELS", "XLA_FLAGS", "LIBTPU_INIT_ARGS")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("AXGEN_XLA_KERNELS", "XLA_FLAGS", "LIBTPU_INIT_ARGS")
+    }
     env.update(JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1", ALLOW_MULTIPLE_LIBTPU_LOAD="1")
     flags = {plan.flags_variable: list(plan.xla_flags)}
     if plan.topology is None:
@@ -223,7 +231,9 @@ def _devices(plan: Plan) -> tuple[list, str]:
         return topology.devices, f"{count} (CUDA plugin topology {plan.topology})"
     devices = jax.devices("cpu")
     if len(devices) < plan.num_devices:
-        raise AotError(f"{plan.target} needs {plan.num_devices} fake CPU devices; jax started with {len(devices)}")
+        raise AotError(
+            f"{plan.target} needs {plan.num_devices} fake CPU devices; jax started with {len(devices)}"
+        )
     return devices[: plan.num_devices], f"{count} emulated by {plan.num_devices} fake CPU devices"
 
 

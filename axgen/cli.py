@@ -32,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="axgen", description="Compile a model spec into a JAX training program.")
+    parser = argparse.ArgumentParser(
+        prog="axgen", description="Compile a model spec into a JAX training program."
+    )
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
     b = sub.add_parser("build", help="emit the program of a spec for a target (or of every spec x target)")
@@ -49,7 +51,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--before-passes", action="store_true")
     g.set_defaults(run=_graph)
 
-    e = sub.add_parser("explain", help="per pass: nodes rewritten, layers touched, and the pass's lines of code")
+    e = sub.add_parser(
+        "explain", help="per pass: nodes rewritten, layers touched, and the pass's lines of code"
+    )
     e.add_argument("spec")
     e.add_argument("--target", help="default: the spec's first target")
     e.set_defaults(run=_explain)
@@ -76,7 +80,9 @@ def _jobs(args) -> list[tuple[Path, str, Path]]:
     """(spec file, target, output path) for every program the command covers."""
     if args.all == bool(args.spec):
         raise SpecError("give a spec file or --all (not both)")
-    spec_files = sorted(p for p in SPECS.glob("*.py") if p.name != "__init__.py") if args.all else [Path(args.spec)]
+    spec_files = (
+        sorted(p for p in SPECS.glob("*.py") if p.name != "__init__.py") if args.all else [Path(args.spec)]
+    )
     jobs = []
     for spec_file in spec_files:
         spec = load_spec(spec_file)

@@ -52,12 +52,8 @@ def hf_to_params(state_dict, spec: Model) -> dict:
         params = {
             "attn_norm": layer(i, "input_layernorm.weight"),
             "wq": layer(i, "self_attn.q_proj.weight").T.reshape(d, attn.num_heads, attn.head_dim),
-            "wk": layer(i, "self_attn.k_proj.weight").T.reshape(
-                d, attn.num_kv_heads, attn.head_dim
-            ),
-            "wv": layer(i, "self_attn.v_proj.weight").T.reshape(
-                d, attn.num_kv_heads, attn.head_dim
-            ),
+            "wk": layer(i, "self_attn.k_proj.weight").T.reshape(d, attn.num_kv_heads, attn.head_dim),
+            "wv": layer(i, "self_attn.v_proj.weight").T.reshape(d, attn.num_kv_heads, attn.head_dim),
             "wo": layer(i, "self_attn.o_proj.weight").T.reshape(attn.num_heads, attn.head_dim, d),
             "mlp_norm": layer(i, "post_attention_layernorm.weight"),
         }

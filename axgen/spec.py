@@ -91,11 +91,7 @@ def _caller_origin() -> Origin:
     frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        internal = (
-            filename == _THIS_FILE
-            or filename.startswith("<")
-            or filename == dataclasses.__file__
-        )
+        internal = filename == _THIS_FILE or filename.startswith("<") or filename == dataclasses.__file__
         if not internal:
             return Origin(display_path(filename), frame.f_lineno)
         frame = frame.f_back
@@ -400,7 +396,9 @@ class Remat(Feature):
 
     def validate(self) -> None:
         if self.policy not in REMAT_POLICIES:
-            self.fail("policy", f"is not one of {', '.join(REMAT_POLICIES)}{suggest(self.policy, REMAT_POLICIES)}")
+            self.fail(
+                "policy", f"is not one of {', '.join(REMAT_POLICIES)}{suggest(self.policy, REMAT_POLICIES)}"
+            )
 
     def requires(self) -> tuple[str, ...]:
         return ("host_offload",) if self.policy.startswith("offload") else ()
@@ -425,9 +423,13 @@ class Quantize(Feature):
 
     def validate(self) -> None:
         if self.dtype is not None and self.dtype not in QUANTIZE_DTYPES:
-            self.fail("dtype", f"is not one of {', '.join(QUANTIZE_DTYPES)}{suggest(self.dtype, QUANTIZE_DTYPES)}")
+            self.fail(
+                "dtype", f"is not one of {', '.join(QUANTIZE_DTYPES)}{suggest(self.dtype, QUANTIZE_DTYPES)}"
+            )
         if self.scaling not in FP8_SCALINGS:
-            self.fail("scaling", f"is not one of {', '.join(FP8_SCALINGS)}{suggest(self.scaling, FP8_SCALINGS)}")
+            self.fail(
+                "scaling", f"is not one of {', '.join(FP8_SCALINGS)}{suggest(self.scaling, FP8_SCALINGS)}"
+            )
         if self.scaling == "delayed" and self.dtype == "int8":
             self.fail("scaling", "applies to fp8; int8 scales each token and channel by its own max")
         self.require_positive("amax_history")
@@ -495,7 +497,9 @@ class MeshRule(SpecNode):
             self.fail("pattern", f"is not a regular expression ({err})")
         for axis, size in self.mesh.items():
             if axis not in MESH_AXES:
-                self.fail("mesh", f"has axis {axis!r}, not one of {', '.join(MESH_AXES)}{suggest(axis, MESH_AXES)}")
+                self.fail(
+                    "mesh", f"has axis {axis!r}, not one of {', '.join(MESH_AXES)}{suggest(axis, MESH_AXES)}"
+                )
             if size < 1 and size != -1:
                 self.fail("mesh", f"gives {axis}={size}; sizes are >= 1, or -1 for the devices left over")
         if list(self.mesh.values()).count(-1) > 1:

@@ -1,5 +1,6 @@
 """`axgen aot` compiles the emitted train step for chips this machine does not have: TPU through libtpu, H100
-through the CUDA plugin, Trainium on fake CPU devices. Exit 1, with the figure, when a program does not fit."""
+through the CUDA plugin, Trainium on fake CPU devices. Exit 1, with the figure, when a program does not fit.
+"""
 
 import json
 
@@ -77,14 +78,31 @@ def test_a_program_that_does_not_fit_exits_1_with_the_figure(tmp_path, capsys):
 
 
 def test_report_table_says_what_fits():
-    common = dict(spec="m", compiled_for="8 x TPU v5e", grad_accum_steps=4, microbatch=1, compile_seconds=3.0,
-                  hbm_bytes=16 * 1024**3)
-    fits = Report(**common, target="tpu-v5e-8", mesh={"data": 1, "fsdp": 8}, fits=True, peak_bytes=9 * 1024**3)
-    refused = Report(**common, target="tpu-v5e-1", mesh={"data": 1}, fits=False, peak_bytes=None,
-                     out_of_memory="RESOURCE_EXHAUSTED: ... (41.98G) exceeds available HBM (15.75G)")
+    common = dict(
+        spec="m",
+        compiled_for="8 x TPU v5e",
+        grad_accum_steps=4,
+        microbatch=1,
+        compile_seconds=3.0,
+        hbm_bytes=16 * 1024**3,
+    )
+    fits = Report(
+        **common, target="tpu-v5e-8", mesh={"data": 1, "fsdp": 8}, fits=True, peak_bytes=9 * 1024**3
+    )
+    refused = Report(
+        **common,
+        target="tpu-v5e-1",
+        mesh={"data": 1},
+        fits=False,
+        peak_bytes=None,
+        out_of_memory="RESOURCE_EXHAUSTED: ... (41.98G) exceeds available HBM (15.75G)",
+    )
     table = markdown([fits, refused], ["specs/x.py on cpu-8: the compile failed: ValueError: boom"], "cmd")
     assert "| m | tpu-v5e-8 | 8 x TPU v5e | fsdp=8 | 4 x 1 | 9.00 GiB / 16 GiB | yes | 3s |" in table
-    assert "| m | tpu-v5e-1 | 8 x TPU v5e | 1 device | 4 x 1 | over (compiler refused) / 16 GiB | **no** | 3s |" in table
+    assert (
+        "| m | tpu-v5e-1 | 8 x TPU v5e | 1 device | 4 x 1 | over (compiler refused) / 16 GiB | **no** | 3s |"
+        in table
+    )
     assert "- specs/x.py on cpu-8: the compile failed: ValueError: boom" in table
 
 

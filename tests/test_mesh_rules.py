@@ -83,7 +83,9 @@ def test_spec_rules_come_before_the_backends(tmp_path):
 
 
 def test_a_rule_can_choose_the_xla_attention_on_tpu(tmp_path):
-    spec = tiny_with(tmp_path, "xla_on_tpu", 'MeshRule(r"tpu-.*", {"fsdp": -1}, why="compare", attention="xla")')
+    spec = tiny_with(
+        tmp_path, "xla_on_tpu", 'MeshRule(r"tpu-.*", {"fsdp": -1}, why="compare", attention="xla")'
+    )
     source = build(spec, "tpu-v5e-8").source
     assert 'ATTENTION_IMPL = "xla"' in source and "splash" not in source
     assert "jax.nn.dot_product_attention(" in source
@@ -92,15 +94,27 @@ def test_a_rule_can_choose_the_xla_attention_on_tpu(tmp_path):
 @pytest.mark.parametrize(
     ("rule", "target", "message"),
     [
-        ('MeshRule(r"cpu-8", {"fsdp": 3}, why="x")', "cpu-8",
-         "MeshRule.mesh={'fsdp': 3} (pattern 'cpu-8') does not fit the 8 devices of target cpu-8"),
-        ('MeshRule(r"cpu-1", {}, why="x", microbatch=3)', "cpu-1",
-         "MeshRule.microbatch=3 does not divide the 16 sequences per device that Train.global_batch=16 gives on "
-         "target cpu-1"),
-        ('MeshRule(r"tpu-v5e-8", {"fsdp": -1}, why="x", attention="cudnn")', "tpu-v5e-8",
-         "MeshRule.attention='cudnn' is not a kernel of target tpu-v5e-8 (TPU v5e runs splash, xla)"),
-        ('MeshRule(r"tpu-v5e-8", {"fsdp": -1}, why="x", attention_block=256)', "tpu-v5e-8",
-         "Train.seq_len=128 is not a multiple of the 256-long blocks of splash attention on target tpu-v5e-8"),
+        (
+            'MeshRule(r"cpu-8", {"fsdp": 3}, why="x")',
+            "cpu-8",
+            "MeshRule.mesh={'fsdp': 3} (pattern 'cpu-8') does not fit the 8 devices of target cpu-8",
+        ),
+        (
+            'MeshRule(r"cpu-1", {}, why="x", microbatch=3)',
+            "cpu-1",
+            "MeshRule.microbatch=3 does not divide the 16 sequences per device that Train.global_batch=16 gives on "
+            "target cpu-1",
+        ),
+        (
+            'MeshRule(r"tpu-v5e-8", {"fsdp": -1}, why="x", attention="cudnn")',
+            "tpu-v5e-8",
+            "MeshRule.attention='cudnn' is not a kernel of target tpu-v5e-8 (TPU v5e runs splash, xla)",
+        ),
+        (
+            'MeshRule(r"tpu-v5e-8", {"fsdp": -1}, why="x", attention_block=256)',
+            "tpu-v5e-8",
+            "Train.seq_len=128 is not a multiple of the 256-long blocks of splash attention on target tpu-v5e-8",
+        ),
     ],
     ids=["mesh", "microbatch", "kernel", "block"],
 )
@@ -112,7 +126,9 @@ def test_a_rule_that_cannot_apply_is_one_line(tmp_path, rule, target, message):
 
 
 def test_rule_fields_are_checked_where_the_rule_is_written():
-    with pytest.raises(Exception, match=r"MeshRule.mesh=\{'fsdb': 2\} has axis 'fsdb', .* did you mean 'fsdp'\?"):
+    with pytest.raises(
+        Exception, match=r"MeshRule.mesh=\{'fsdb': 2\} has axis 'fsdb', .* did you mean 'fsdp'\?"
+    ):
         MeshRule(r"cpu-8", {"fsdb": 2}, why="typo")
     with pytest.raises(Exception, match=r"MeshRule.attention='flash' is not one of xla, splash, cudnn"):
         MeshRule(r"cpu-8", {}, why="x", attention="flash")
@@ -121,17 +137,22 @@ def test_rule_fields_are_checked_where_the_rule_is_written():
 
 def one_step(program, tokens):
     """One train step from the seed-0 state. fp8 amax histories start full (a history of zeros means "use this
-    step's amax", which differs per microbatch), so every scale comes from the history, as after the first step."""
+    step's amax", which differs per microbatch), so every scale comes from the history, as after the first step.
+    """
     state = program.init_state(jax.random.key(0))
     state["params"] = jax.tree_util.tree_map_with_path(
-        lambda path, p: jnp.full_like(p, 4.0) if "amax_history" in jax.tree_util.keystr(path) else p, state["params"]
+        lambda path, p: jnp.full_like(p, 4.0) if "amax_history" in jax.tree_util.keystr(path) else p,
+        state["params"],
     )
     new_state, metrics = jax.jit(program.train_step)(state, tokens)
     return new_state["params"], metrics
 
 
-@pytest.mark.parametrize("features", ["tiny.features", '[*tiny.features, F.quantize(dtype="fp8", scaling="delayed", emulate=True)]'],
-                         ids=["dense", "fp8_delayed"])
+@pytest.mark.parametrize(
+    "features",
+    ["tiny.features", '[*tiny.features, F.quantize(dtype="fp8", scaling="delayed", emulate=True)]'],
+    ids=["dense", "fp8_delayed"],
+)
 def test_gradient_accumulation_equals_the_one_pass_step(tmp_path, features):
     rule = 'MeshRule(r"cpu-1", {}, why="four passes of four sequences", microbatch=4)'
     accumulated = program_for(tmp_path, tiny_with(tmp_path, "accumulated", rule, features), "cpu-1")
@@ -163,7 +184,9 @@ def test_splash_kernel_equals_xla_attention_when_sharded():
     program = load_program(ROOT / "generated/llama_tiny/tpu_v5e_8.py")
     q, k, v = (
         jax.random.normal(key, shape)
-        for key, shape in zip(jax.random.split(jax.random.key(0), 3), [(8, 256, 4, 32), (8, 256, 2, 32), (8, 256, 2, 32)])
+        for key, shape in zip(
+            jax.random.split(jax.random.key(0), 3), [(8, 256, 4, 32), (8, 256, 2, 32), (8, 256, 2, 32)]
+        )
     )
 
     assert program.ATTENTION_IMPL == "splash"
@@ -175,7 +198,9 @@ def test_splash_kernel_equals_xla_attention_when_sharded():
     expected = xla(q, k, v)
     expected_grads = jax.grad(functools.partial(loss, xla), argnums=(0, 1, 2))(q, k, v)
     splash = functools.partial(program.causal_attention, interpret=True)
-    mesh = jax.make_mesh((1, 4, 1, 2), ("data", "fsdp", "expert", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 4)
+    mesh = jax.make_mesh(
+        (1, 4, 1, 2), ("data", "fsdp", "expert", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 4
+    )
     with jax.set_mesh(mesh):
         out = jax.jit(splash)(q, k, v)
         grads = jax.jit(jax.grad(lambda q, k, v: loss(splash, q, k, v), argnums=(0, 1, 2)))(q, k, v)

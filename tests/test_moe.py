@@ -28,9 +28,7 @@ def program_for(tmp_path, spec_path, target="cpu-1", name="program"):
 @pytest.fixture(scope="module")
 def mixtral(tmp_path_factory):
     fixture = np.load(FIXTURES / "hf_mixtral.npz")
-    program = program_for(
-        tmp_path_factory.mktemp("mixtral"), FIXTURES / "hf_mixtral_spec.py", name="mixtral"
-    )
+    program = program_for(tmp_path_factory.mktemp("mixtral"), FIXTURES / "hf_mixtral_spec.py", name="mixtral")
     state_dict = {k: fixture[k] for k in fixture.files if k.startswith(("model.", "lm_head."))}
     return fixture, program, hf_to_params(state_dict, load_spec(FIXTURES / "hf_mixtral_spec.py"))
 
@@ -57,9 +55,7 @@ def load_balance_by_hand(router_logits, top_k):
 
 def test_auxiliary_losses_match_the_formulas_by_hand(mixtral):
     fixture, program, params = mixtral
-    router_logits = fixture["router_logits"].astype(
-        np.float64
-    )  # [layers, batch * seq, experts], from HF
+    router_logits = fixture["router_logits"].astype(np.float64)  # [layers, batch * seq, experts], from HF
     _, aux = program.forward_with_aux(params, fixture["input_ids"])
     per_layer = [load_balance_by_hand(layer, top_k=2) for layer in router_logits]
     np.testing.assert_allclose(float(aux["load_balance_loss"]), np.mean(per_layer), rtol=1e-5)
@@ -68,9 +64,7 @@ def test_auxiliary_losses_match_the_formulas_by_hand(mixtral):
     # HF pools the layers' rows before the product; for one layer the two definitions agree.
     _, _, one_layer = program.route(jnp.asarray(router_logits[0], jnp.float32), 2)
     np.testing.assert_allclose(float(one_layer["load_balance_loss"]), per_layer[0], rtol=1e-5)
-    assert (
-        1.0 <= per_layer[0] <= 4.0
-    )  # top_k when balanced, num_experts when every token picks the same two
+    assert 1.0 <= per_layer[0] <= 4.0  # top_k when balanced, num_experts when every token picks the same two
 
 
 def test_loss_adds_the_weighted_auxiliary_losses(mixtral):
@@ -96,16 +90,12 @@ def capacity_variant(tmp_path, capacity_factor, every=1):
 
 def test_generous_capacity_drops_nothing_and_equals_dropless(tmp_path):
     dropless = program_for(tmp_path, MOE_TINY, name="dropless")
-    roomy = capacity_variant(
-        tmp_path, capacity_factor=2.0, every=2
-    )  # 2 experts * 2 = every token fits
+    roomy = capacity_variant(tmp_path, capacity_factor=2.0, every=2)  # 2 experts * 2 = every token fits
     params = dropless.init_params(jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 256)
     logits, aux = roomy.forward_with_aux(params, tokens)
     assert float(aux["dropped_fraction"]) == 0.0
-    np.testing.assert_allclose(
-        np.asarray(logits), np.asarray(dropless.forward(params, tokens)), atol=1e-5
-    )
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(dropless.forward(params, tokens)), atol=1e-5)
 
 
 def test_tight_capacity_drops_the_overflow_and_reports_it(tmp_path):
@@ -141,9 +131,7 @@ def test_moe_every_must_divide_the_layers(tmp_path):
         "from specs.moe_tiny import spec as moe_tiny\n"
         "spec = moe_tiny.replace(features=[moe_tiny.feature('moe').replace(every=3)])\n"
     )
-    with pytest.raises(
-        SpecError, match=r"bad.py:2: MoE.every=3 does not divide Decoder.num_layers=4"
-    ):
+    with pytest.raises(SpecError, match=r"bad.py:2: MoE.every=3 does not divide Decoder.num_layers=4"):
         load_spec(path)
 
 
@@ -153,21 +141,19 @@ def test_published_parameter_counts():
 
 
 def test_moe_program_trains_on_eight_devices_and_logs_its_auxiliary_losses(corpus, tmp_path):
-    log = train_log(
-        ROOT / "generated/moe_tiny/cpu_8.py", corpus, tmp_path / "ckpt", 12, "--batch", "8"
-    )
+    log = train_log(ROOT / "generated/moe_tiny/cpu_8.py", corpus, tmp_path / "ckpt", 12, "--batch", "8")
     losses = {int(step): float(loss) for step, loss in STEP_LINE.findall(log)}
     assert losses[12] < losses[1] - 1.0, losses
     last = log.splitlines()[-2]
     assert (
-        last.startswith("step 12 |")
-        and "| load_balance_loss " in last
-        and "| router_z_loss " in last
+        last.startswith("step 12 |") and "| load_balance_loss " in last and "| router_z_loss " in last
     ), last
 
 
 @pytest.mark.parametrize(
-    "mesh_shape", [(2, 1, 2, 2), (1, 2, 2, 2), (1, 8, 1, 1)], ids=["data_expert_model", "fsdp_expert_model", "fsdp"]
+    "mesh_shape",
+    [(2, 1, 2, 2), (1, 2, 2, 2), (1, 8, 1, 1)],
+    ids=["data_expert_model", "fsdp_expert_model", "fsdp"],
 )
 def test_sharded_moe_equals_one_device_in_loss_auxiliary_losses_and_gradients(mesh_shape):
     """Each device routes its own tokens (with expert parallelism, its expert group's): the loss, the auxiliary

@@ -19,7 +19,9 @@ def test_forward_matches_hf_llama_logits(name, tmp_path):
     config = json.loads(str(fixture["config"]))
     spec = built.spec
     assert (spec.vocab_size, spec.d_model, spec.decoder.num_layers) == (
-        config["vocab_size"], config["hidden_size"], config["num_hidden_layers"]
+        config["vocab_size"],
+        config["hidden_size"],
+        config["num_hidden_layers"],
     )
     assert spec.feature("rope").theta == config["rope_theta"]
     assert (spec.feature("rope").scaling is None) == (config["rope_scaling"] is None)

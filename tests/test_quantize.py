@@ -17,7 +17,6 @@ from tests.conftest import ROOT
 NAMES = itertools.count()
 
 
-
 def variant(tmp_path, quantize_args, base="llama_tiny", name=None):
     name = name or f"q_{next(NAMES)}"
     path = tmp_path / f"{name}.py"
@@ -134,17 +133,27 @@ def test_delayed_scaling_keeps_a_history_of_amaxes_that_the_optimizer_leaves_alo
 
 
 def test_targets_refuse_dtypes_they_lack_unless_emulated(tmp_path):
-    with pytest.raises(SpecError, match=r":3: quantize\(dtype=fp8\) needs fp8, which target tpu-v5e-8 \(TPU v5e\)"):
+    with pytest.raises(
+        SpecError, match=r":3: quantize\(dtype=fp8\) needs fp8, which target tpu-v5e-8 \(TPU v5e\)"
+    ):
         build(variant(tmp_path, 'dtype="fp8"'), "tpu-v5e-8")
-    with pytest.raises(SpecError, match=r"quantize\(dtype=int8\) needs int8, which target trn2-16 \(AWS Trainium2\)"):
+    with pytest.raises(
+        SpecError, match=r"quantize\(dtype=int8\) needs int8, which target trn2-16 \(AWS Trainium2\)"
+    ):
         build(variant(tmp_path, 'dtype="int8"'), "trn2-16")
     assert "def fp8_einsum(" in build(variant(tmp_path, 'dtype="fp8", emulate=True'), "tpu-v5e-8").source
 
 
 def test_the_target_picks_the_dtype_when_the_spec_does_not(tmp_path):
     path = variant(tmp_path, "")
-    assert "int8_einsum(" in build(path, "tpu-v5e-8").source and "fp8_einsum" not in build(path, "tpu-v5e-8").source
-    assert "fp8_einsum(" in build(path, "gpu-h100-8").source and "int8_einsum" not in build(path, "gpu-h100-8").source
+    assert (
+        "int8_einsum(" in build(path, "tpu-v5e-8").source
+        and "fp8_einsum" not in build(path, "tpu-v5e-8").source
+    )
+    assert (
+        "fp8_einsum(" in build(path, "gpu-h100-8").source
+        and "int8_einsum" not in build(path, "gpu-h100-8").source
+    )
 
 
 def test_router_and_output_head_only_when_asked(tmp_path):
@@ -152,7 +161,9 @@ def test_router_and_output_head_only_when_asked(tmp_path):
     quantized = {str(n) for n in default.nodes() if n.attrs.get("quantize")}
     assert "moe_layers/router" not in quantized and "main/logits" not in quantized
     assert {"layers/q", "moe_layers/q", "layers/mlp_out"} <= quantized
-    asked = build(variant(tmp_path, r'dtype="int8", include=r".*/(router|logits)"', base="moe_tiny"), "cpu-1").graph
+    asked = build(
+        variant(tmp_path, r'dtype="int8", include=r".*/(router|logits)"', base="moe_tiny"), "cpu-1"
+    ).graph
     assert {str(n) for n in asked.nodes() if n.attrs.get("quantize")} == {"moe_layers/router", "main/logits"}
 
 

@@ -33,7 +33,10 @@ def programs(tmp_path_factory):
     # The offload policy builds only for a chip with host memory; its program runs here on the XLA kernels.
     with pytest.MonkeyPatch.context() as env:
         env.setenv("AXGEN_XLA_KERNELS", "1")
-        return {p: remat_program(tmp, p, "gpu-h100-1" if p.startswith("offload") else "cpu-1") for p in REMAT_POLICIES}
+        return {
+            p: remat_program(tmp, p, "gpu-h100-1" if p.startswith("offload") else "cpu-1")
+            for p in REMAT_POLICIES
+        }
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +74,13 @@ def test_each_policy_saves_different_residuals(programs, batch):
     saved = {policy: residuals(program, params, tokens) for policy, program in programs.items()}
     assert len(set(saved.values())) == len(saved), "two policies save the same residuals"
     sizes = {policy: len(text.splitlines()) for policy, text in saved.items()}
-    assert sizes["full"] < sizes["save_qkv_proj"] < sizes["save_dots_except_mlp"] < sizes["save_dots"] < sizes["none"]
+    assert (
+        sizes["full"]
+        < sizes["save_qkv_proj"]
+        < sizes["save_dots_except_mlp"]
+        < sizes["save_dots"]
+        < sizes["none"]
+    )
     offloaded = [line for line in saved["offload_dots"].splitlines() if "<host>[" in line]
     assert len(offloaded) == 6, "q, k, v, the attention output and both MLP inputs live in host memory"
     assert not any("<host>[" in text for policy, text in saved.items() if policy != "offload_dots")
@@ -93,6 +102,9 @@ def test_backend_default_applies_and_the_spec_overrides_it(tmp_path):
 
 
 def test_cpu_refuses_host_offload(tmp_path):
-    with pytest.raises(SpecError, match=r"remat_offload_dots.py:3: remat\(policy=offload_dots\) needs host_offload, "
-                       r"which target cpu-8 \(host CPU core\) does not have \(it has int8\)"):
+    with pytest.raises(
+        SpecError,
+        match=r"remat_offload_dots.py:3: remat\(policy=offload_dots\) needs host_offload, "
+        r"which target cpu-8 \(host CPU core\) does not have \(it has int8\)",
+    ):
         remat_program(tmp_path, "offload_dots", "cpu-8")

@@ -44,7 +44,9 @@ def run_main(program, devices, single_device, corpus, ckpt_dir, steps=3):
 @pytest.mark.parametrize("target", TARGETS)
 def test_every_target_trains_on_its_mesh_as_on_one_device(target, corpus, tmp_path):
     program = ROOT / "generated/llama_tiny" / f"{target.replace('-', '_')}.py"
-    mesh = dict(re.findall(r'"(\w+)": (\d+)', re.search(r"^MESH_SHAPE = (.*)$", program.read_text(), re.M)[1]))
+    mesh = dict(
+        re.findall(r'"(\w+)": (\d+)', re.search(r"^MESH_SHAPE = (.*)$", program.read_text(), re.M)[1])
+    )
     devices = int(np.prod([int(n) for n in mesh.values()]))
     sharded_log = run_main(program, devices, False, corpus, tmp_path / "sharded")
     single_log = run_main(program, devices, True, corpus, tmp_path / "single")
@@ -61,7 +63,9 @@ def test_every_target_trains_on_its_mesh_as_on_one_device(target, corpus, tmp_pa
 def variant(tmp_path, **changes):
     path = tmp_path / "variant.py"
     args = ", ".join(f"{k}={v}" for k, v in changes.items())
-    path.write_text(f"from specs.llama_tiny import spec as tiny\nfrom axgen.spec import *\nspec = tiny.replace({args})\n")
+    path.write_text(
+        f"from specs.llama_tiny import spec as tiny\nfrom axgen.spec import *\nspec = tiny.replace({args})\n"
+    )
     out = tmp_path / "program.py"
     write_atomically(out, build(path, "cpu-1").source)
     return load_program(out)
@@ -85,6 +89,8 @@ def test_layer_norm_and_gelu_variant_runs(tmp_path):
     x = np.random.default_rng(0).normal(size=(3, 64)).astype(np.float32)
     scale, bias = np.full(64, 1.5, np.float32), np.full(64, 0.25, np.float32)
     expected = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-6) * scale + bias
-    np.testing.assert_allclose(np.asarray(program.layer_norm(x, scale, bias, eps=1e-6)), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(program.layer_norm(x, scale, bias, eps=1e-6)), expected, rtol=1e-5, atol=1e-5
+    )
     logits = program.forward(program.init_params(jax.random.key(0)), np.zeros((1, 8), np.int32))
     assert logits.shape == (1, 8, 256) and np.isfinite(np.asarray(logits)).all()

@@ -28,32 +28,94 @@ spec = Model(
 
 # (name, text to replace, replacement, line of the offending object, expected message after "file:line: ")
 BAD_SPECS = [
-    ("kv_heads", "num_kv_heads=2", "num_kv_heads=3", 10, "Attention.num_kv_heads=3 does not divide num_heads=4"),
-    ("activation", '"swiglu"', '"swigle"', 11,
-     "MLP.activation='swigle' is not one of swiglu, gelu; did you mean 'swiglu'?"),
+    (
+        "kv_heads",
+        "num_kv_heads=2",
+        "num_kv_heads=3",
+        10,
+        "Attention.num_kv_heads=3 does not divide num_heads=4",
+    ),
+    (
+        "activation",
+        '"swiglu"',
+        '"swigle"',
+        11,
+        "MLP.activation='swigle' is not one of swiglu, gelu; did you mean 'swiglu'?",
+    ),
     ("type", "num_layers=2", 'num_layers="2"', 8, "Decoder.num_layers='2' must be an int"),
     ("eps", "eps=1e-5", "eps=-1.0", 12, "RMSNorm.eps=-1.0 must be > 0"),
-    ("unknown_field", "num_heads=4,", "num_head=4,", 10, "Attention has no field 'num_head'; did you mean 'num_heads'?"),
-    ("odd_head_dim", "head_dim=16", "head_dim=15", 10, "Attention.head_dim=15 must be even for rope (it rotates pairs of channels)"),
+    (
+        "unknown_field",
+        "num_heads=4,",
+        "num_head=4,",
+        10,
+        "Attention has no field 'num_head'; did you mean 'num_heads'?",
+    ),
+    (
+        "odd_head_dim",
+        "head_dim=16",
+        "head_dim=15",
+        10,
+        "Attention.head_dim=15 must be even for rope (it rotates pairs of channels)",
+    ),
     ("warmup", "warmup_steps=10", "warmup_steps=100", 15, "Train.warmup_steps=100 must be in [0, steps=100)"),
-    ("duplicate_feature", "features=[F.rope(theta=10_000.0)]", "features=[F.rope(), F.rope()]", 14,
-     "Model.features has 'rope' twice (first at specs/bad_duplicate_feature.py:14)"),
-    ("name", 'name="bad-model"', 'name="Bad Model"', 4,
-     "Model.name='Bad Model' must be lower-case letters, digits, '.', '_' or '-'"),
-    ("unknown_feature_arg", "F.rope(theta=10_000.0)", "F.rope(thetta=1.0)", 14,
-     "RoPE has no field 'thetta'; did you mean 'theta'?"),
-    ("moe_top_k", "F.rope(theta=10_000.0)",
-     "F.moe(num_experts=4, top_k=5, aux_loss_weight=0.01, router_z_loss_weight=0.0)", 14,
-     "MoE.top_k=5 must be <= num_experts=4"),
-    ("moe_required", "F.rope(theta=10_000.0)", "F.moe(num_experts=4)", 14,
-     "MoE needs 'aux_loss_weight', 'router_z_loss_weight' (they have no default)"),
-    ("remat_policy", "F.rope(theta=10_000.0)", 'F.remat(policy="ful")', 14,
-     "Remat.policy='ful' is not one of none, full, save_dots, save_dots_except_mlp, save_qkv_proj, "
-     "save_out_proj, offload_dots; did you mean 'full'?"),
-    ("quantize_dtype", "F.rope(theta=10_000.0)", 'F.quantize(dtype="int4")', 14,
-     "Quantize.dtype='int4' is not one of int8, fp8; did you mean 'int8'?"),
-    ("quantize_regex", "F.rope(theta=10_000.0)", 'F.quantize(include="layers/(q")', 14,
-     "Quantize.include='layers/(q' is not a regular expression (missing ), unterminated subpattern at position 7)"),
+    (
+        "duplicate_feature",
+        "features=[F.rope(theta=10_000.0)]",
+        "features=[F.rope(), F.rope()]",
+        14,
+        "Model.features has 'rope' twice (first at specs/bad_duplicate_feature.py:14)",
+    ),
+    (
+        "name",
+        'name="bad-model"',
+        'name="Bad Model"',
+        4,
+        "Model.name='Bad Model' must be lower-case letters, digits, '.', '_' or '-'",
+    ),
+    (
+        "unknown_feature_arg",
+        "F.rope(theta=10_000.0)",
+        "F.rope(thetta=1.0)",
+        14,
+        "RoPE has no field 'thetta'; did you mean 'theta'?",
+    ),
+    (
+        "moe_top_k",
+        "F.rope(theta=10_000.0)",
+        "F.moe(num_experts=4, top_k=5, aux_loss_weight=0.01, router_z_loss_weight=0.0)",
+        14,
+        "MoE.top_k=5 must be <= num_experts=4",
+    ),
+    (
+        "moe_required",
+        "F.rope(theta=10_000.0)",
+        "F.moe(num_experts=4)",
+        14,
+        "MoE needs 'aux_loss_weight', 'router_z_loss_weight' (they have no default)",
+    ),
+    (
+        "remat_policy",
+        "F.rope(theta=10_000.0)",
+        'F.remat(policy="ful")',
+        14,
+        "Remat.policy='ful' is not one of none, full, save_dots, save_dots_except_mlp, save_qkv_proj, "
+        "save_out_proj, offload_dots; did you mean 'full'?",
+    ),
+    (
+        "quantize_dtype",
+        "F.rope(theta=10_000.0)",
+        'F.quantize(dtype="int4")',
+        14,
+        "Quantize.dtype='int4' is not one of int8, fp8; did you mean 'int8'?",
+    ),
+    (
+        "quantize_regex",
+        "F.rope(theta=10_000.0)",
+        'F.quantize(include="layers/(q")',
+        14,
+        "Quantize.include='layers/(q' is not a regular expression (missing ), unterminated subpattern at position 7)",
+    ),
 ]
 
 
@@ -76,8 +138,14 @@ def test_bad_spec_gives_one_line_with_file_and_line(tmp_path, name, old, new, li
 @pytest.mark.parametrize(
     ("target", "message"),
     [
-        ("gpu-a100-8", "unknown target 'gpu-a100-8'; known targets: cpu-N, tpu-v5e-N[xS], tpu-v5p-N[xS], tpu-v6e-N[xS], gpu-h100-N, trn2-N"),
-        ("cpu-16", "Train.global_batch=8 is not divisible by the 16 batch shards (data x fsdp x expert) of target cpu-16"),
+        (
+            "gpu-a100-8",
+            "unknown target 'gpu-a100-8'; known targets: cpu-N, tpu-v5e-N[xS], tpu-v5p-N[xS], tpu-v6e-N[xS], gpu-h100-N, trn2-N",
+        ),
+        (
+            "cpu-16",
+            "Train.global_batch=8 is not divisible by the 16 batch shards (data x fsdp x expert) of target cpu-16",
+        ),
     ],
 )
 def test_build_for_a_bad_target_exits_2_without_output(tmp_path, capsys, target, message):
@@ -90,7 +158,9 @@ def test_build_for_a_bad_target_exits_2_without_output(tmp_path, capsys, target,
 
 
 def test_build_of_a_missing_file_exits_2(tmp_path, capsys):
-    assert axgen(["build", str(tmp_path / "nope.py"), "--target", "cpu-1", "--out", str(tmp_path / "o.py")]) == 2
+    assert (
+        axgen(["build", str(tmp_path / "nope.py"), "--target", "cpu-1", "--out", str(tmp_path / "o.py")]) == 2
+    )
     assert capsys.readouterr().err.strip() == f"axgen: error: {tmp_path / 'nope.py'}: no such spec file"
     assert not (tmp_path / "o.py").exists()
 
@@ -112,5 +182,7 @@ def test_error_raised_by_user_code_names_its_line(tmp_path):
 
 def test_replace_with_unknown_field_names_the_calling_line(tmp_path):
     path = write_spec(tmp_path, "replace", GOOD + "spec = spec.replace(nmae='x')\n")
-    with pytest.raises(SpecError, match=r"^specs/bad_replace.py:18: Model has no field 'nmae'; did you mean 'name'\?$"):
+    with pytest.raises(
+        SpecError, match=r"^specs/bad_replace.py:18: Model has no field 'nmae'; did you mean 'name'\?$"
+    ):
         load_spec(path)

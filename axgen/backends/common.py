@@ -114,13 +114,15 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
         raise SpecError(f"{spec.origin}: target {target!r} needs at least one device and one slice")
     rule = next(r for r in (*spec.mesh_rules, *family.rules) if r.matches(target))
     mesh = tuple(
-        (axis, size * slices if axis == "data" else size) for axis, size in _mesh_shape(rule, per_slice, slices, target)
+        (axis, size * slices if axis == "data" else size)
+        for axis, size in _mesh_shape(rule, per_slice, slices, target)
     )
     batch_shards = math.prod(n for a, n in mesh if a in dict(LOGICAL_AXIS_RULES)["batch"])
     per_device_batch = spec.train.global_batch // batch_shards
     if spec.train.global_batch % batch_shards:
         spec.train.fail(
-            "global_batch", f"is not divisible by the {batch_shards} batch shards (data x fsdp x expert) of target {target}"
+            "global_batch",
+            f"is not divisible by the {batch_shards} batch shards (data x fsdp x expert) of target {target}",
         )
     microbatch = min(rule.microbatch or per_device_batch, per_device_batch)
     attention = rule.attention or family.attention

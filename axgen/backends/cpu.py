@@ -30,7 +30,9 @@ FAMILY = Family(
             xla_flags=("--xla_force_host_platform_device_count=8",),
         ),
         MeshRule(r"cpu-1", {}, why="one device: the unsharded reference run"),
-        MeshRule(r"cpu-\d+", {"fsdp": -1}, why="fully sharded data parallel over all host devices", microbatch=4),
+        MeshRule(
+            r"cpu-\d+", {"fsdp": -1}, why="fully sharded data parallel over all host devices", microbatch=4
+        ),
     ),
     compute_dtype="float32",
     attention="xla",

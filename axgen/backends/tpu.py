@@ -40,10 +40,14 @@ RULES = (
     # A 64-chip group holds a 70B model's 1.1 TB of weights and Adam moments at 18 GB per 95 GB chip, and keeps
     # FSDP's all-gathers among 64 chips; 64 is a product of the 8x8x8 and 8x8x16 tori's sides, as a mesh axis must
     # be (256 is not: fsdp=256 on v5p-512 does not compile).
-    MeshRule(r"tpu-v5p-(512|1024)", {"data": -1, "fsdp": 64}, why="data across 64-chip cubes, fsdp within each"),
+    MeshRule(
+        r"tpu-v5p-(512|1024)", {"data": -1, "fsdp": 64}, why="data across 64-chip cubes, fsdp within each"
+    ),
     # On v5p a 7-8B model's weights and Adam moments take 1 GB per chip when fully sharded; two 8k sequences per
     # pass keep every saved projection (save_dots, 45 GB) in 95 GB of HBM, where four would need 110 GB.
-    MeshRule(r"tpu-v5p-\d+", {"fsdp": -1}, why="fully sharded over the slice, two sequences per pass", microbatch=2),
+    MeshRule(
+        r"tpu-v5p-\d+", {"fsdp": -1}, why="fully sharded over the slice, two sequences per pass", microbatch=2
+    ),
     # A 7-8B model's weights and optimizer state only fit 16-32 GiB chips when sharded over every chip.
     MeshRule(r"tpu-v.*", {"fsdp": -1}, why="fully sharded data parallel over every chip of the slice"),
 )

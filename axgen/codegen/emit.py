@@ -18,7 +18,8 @@ from axgen.backends import Plan
 from axgen.ir import Graph, Node, cost
 from axgen.spec import Model
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "templates"
+ROOT = Path(__file__).resolve().parents[2]
+TEMPLATES = ROOT / "templates"
 
 # Op -> the macro file in templates/ops/ that renders it.
 OP_TEMPLATES = {
@@ -51,7 +52,15 @@ AXIS_LETTERS = {
     "expert": "x",
 }
 
-BLACK_MODE = black.Mode(line_length=110)
+
+def _black_mode() -> black.Mode:
+    """The project's one black configuration (pyproject.toml), for axgen's code and every program it emits."""
+    config = black.parse_pyproject_toml(str(ROOT / "pyproject.toml"))
+    versions = {black.TargetVersion[name.upper()] for name in config["target_version"]}
+    return black.Mode(line_length=config["line_length"], target_versions=versions)
+
+
+BLACK_MODE = _black_mode()
 
 
 class EmitError(RuntimeError):
@@ -68,9 +77,7 @@ def _environment() -> jinja2.Environment:
     )
 
 
-def emit(
-    graph: Graph, plan: Plan, spec: Model, passes: list, spec_path: str, output_name: str
-) -> str:
+def emit(graph: Graph, plan: Plan, spec: Model, passes: list, spec_path: str, output_name: str) -> str:
     """The program's source text: deterministic, black-formatted, and parsed by libcst."""
     env = _environment()
     context = _context(env, graph, plan, spec, passes, spec_path, output_name)
@@ -79,9 +86,7 @@ def emit(
         formatted = black.format_str(source, mode=BLACK_MODE)
         libcst.parse_module(formatted)
     except (black.parsing.InvalidInput, libcst.ParserSyntaxError) as err:
-        raise EmitError(
-            f"templates/program.py.j2 rendered invalid Python for {plan.target}: {err}"
-        ) from None
+        raise EmitError(f"templates/program.py.j2 rendered invalid Python for {plan.target}: {err}") from None
     return formatted
 
 
@@ -107,12 +112,8 @@ def _context(env, graph, plan, spec, passes, spec_path, output_name) -> dict:
         "regroup": any(call["per_step"] > 1 for group in groups for call in group["calls"]),
         "main_lines": _lines(env, graph, plan, "main", param_root="params"),
         "main_output": graph.output("main").name,
-        "main_aux": [
-            f"{scan.name}_aux" for scan in graph.nodes(op="scan") if _scan_has_aux(graph, scan)
-        ],
-        "aux_weights": {
-            k: v for node in graph.nodes() for k, v in node.attrs.get("aux_weights", {}).items()
-        },
+        "main_aux": [f"{scan.name}_aux" for scan in graph.nodes(op="scan") if _scan_has_aux(graph, scan)],
+        "aux_weights": {k: v for node in graph.nodes() for k, v in node.attrs.get("aux_weights", {}).items()},
         "remat_policy": remat_policy,
         "logical_axis_rules": _logical_axis_rules(graph, plan),
         "statistics": any(not p.trained for node in graph.nodes() for p in node.params.values()),
@@ -203,7 +204,10 @@ def _param_entry(param, stack: int | None = None) -> str:
 
 
 def _helpers(env, graph: Graph, plan: Plan, ops: set[str]) -> list[str]:
-    families = sorted({OP_TEMPLATES[op] for op in ops if op in OP_TEMPLATES} | ({"quantize"} if _quantized(graph) else set()))
+    families = sorted(
+        {OP_TEMPLATES[op] for op in ops if op in OP_TEMPLATES}
+        | ({"quantize"} if _quantized(graph) else set())
+    )
     helpers = []
     for family in families:
         module = env.get_template(f"ops/{family}.j2").module
@@ -253,9 +257,7 @@ def _quantized(graph: Graph) -> set[str]:
 
 def _remat_policy(graph: Graph) -> dict | None:
     """The one jax.checkpoint policy of the program's blocks, as a comment and an expression."""
-    policies = {
-        repr(r.attrs["remat"]): r.attrs["remat"] for r in graph.blocks() if r.attrs.get("remat")
-    }
+    policies = {repr(r.attrs["remat"]): r.attrs["remat"] for r in graph.blocks() if r.attrs.get("remat")}
     if not policies:
         return None
     if len(policies) > 1:
@@ -274,9 +276,7 @@ def _remat_policy(graph: Graph) -> dict | None:
         expression = f"jax.checkpoint_policies.save_only_these_names({names('save')})"
     else:
         expression = "jax.checkpoint_policies.nothing_saveable"
-    comment = (
-        f"# remat · passes/remat.py · {remat['source']} · policy {remat['policy']}: {remat['why']}"
-    )
+    comment = f"# remat · passes/remat.py · {remat['source']} · policy {remat['policy']}: {remat['why']}"
     return {"comment": comment, "expression": expression}
 
 

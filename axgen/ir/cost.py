@@ -21,9 +21,7 @@ def flops_per_token(graph: Graph, seq_len: int) -> int:
     The input embedding is a gather and costs nothing; a mixture of experts costs its router and top_k experts.
     """
     matmuls = sum(
-        _repeat(graph, node) * _matmul_weights(graph, node)
-        for node in graph.nodes()
-        if node.op in MATMUL_OPS
+        _repeat(graph, node) * _matmul_weights(graph, node) for node in graph.nodes() if node.op in MATMUL_OPS
     )
     attention = sum(
         _repeat(graph, node) * 6 * seq_len * node.type.size("heads") * node.type.size("head_dim")

@@ -19,13 +19,33 @@ def from_spec(spec: Model) -> Graph:
     positions = g.add("main", "positions", "positions", {"tokens": tokens}, source=src, label="tokens")
     table = Param("embed", TensorType.of(("vocab", spec.vocab_size)).concat(embed_type), decay=False)
     x = g.add("main", "embed", "embed", {"tokens": tokens}, {"table": table}, source=src, label="embedding")
-    x = g.add("main", BLOCK, "scan", {"x": x, "positions": positions}, source=str(spec.decoder.origin), label="decoder", blocks=(BLOCK,), steps=spec.decoder.num_layers)
+    x = g.add(
+        "main",
+        BLOCK,
+        "scan",
+        {"x": x, "positions": positions},
+        source=str(spec.decoder.origin),
+        label="decoder",
+        blocks=(BLOCK,),
+        steps=spec.decoder.num_layers,
+    )
     x = _norm(g, "main", "final_norm", x, spec.decoder.norm)
     if spec.tie_embeddings:
-        logits = g.add("main", "logits", "lm_head", {"x": x}, source=src, label="output", tied=True, vocab=spec.vocab_size)
+        logits = g.add(
+            "main",
+            "logits",
+            "lm_head",
+            {"x": x},
+            source=src,
+            label="output",
+            tied=True,
+            vocab=spec.vocab_size,
+        )
     else:
         w = Param("lm_head", embed_type.concat(TensorType.of(("vocab", spec.vocab_size))))
-        logits = g.add("main", "logits", "lm_head", {"x": x}, {"w": w}, source=src, label="output", tied=False)
+        logits = g.add(
+            "main", "logits", "lm_head", {"x": x}, {"w": w}, source=src, label="output", tied=False
+        )
     g.set_output(logits)
     return g
 
@@ -35,17 +55,30 @@ def _decoder_block(g: Graph, spec: Model) -> None:
     decoder, attn, mlp = spec.decoder, spec.decoder.attention, spec.decoder.mlp
     g.add_region(BLOCK, repeat=decoder.num_layers, function="decoder_layer")
     d = ("embed", spec.d_model)
-    x = g.add(BLOCK, "x", "input", source=str(decoder.origin), label="decoder", type=TensorType.of("batch", "seq", d))
+    x = g.add(
+        BLOCK,
+        "x",
+        "input",
+        source=str(decoder.origin),
+        label="decoder",
+        type=TensorType.of("batch", "seq", d),
+    )
     # Every block receives token positions; passes that need them (rope) find this node by name.
     g.add(BLOCK, "positions", "input", source=str(decoder.origin), label="decoder", type=TensorType.of("seq"))
 
     a = str(attn.origin)
     h = _norm(g, BLOCK, "attn_norm", x, decoder.norm)
-    heads, kv_heads, head_dim = ("heads", attn.num_heads), ("kv_heads", attn.num_kv_heads), ("head_dim", attn.head_dim)
+    heads, kv_heads, head_dim = (
+        ("heads", attn.num_heads),
+        ("kv_heads", attn.num_kv_heads),
+        ("head_dim", attn.head_dim),
+    )
     q = _linear(g, "q", h, "wq", (d, heads, head_dim), a, "attention")
     k = _linear(g, "k", h, "wk", (d, kv_heads, head_dim), a, "attention")
     v = _linear(g, "v", h, "wv", (d, kv_heads, head_dim), a, "attention")
-    out = g.add(BLOCK, "attn", "attention", {"q": q, "k": k, "v": v}, source=a, label="attention", causal=True)
+    out = g.add(
+        BLOCK, "attn", "attention", {"q": q, "k": k, "v": v}, source=a, label="attention", causal=True
+    )
     out = _linear(g, "attn_out", out, "wo", (heads, head_dim, d), a, "attention")
     x = g.add(BLOCK, "x_attn", "add", {"x": x, "y": out}, source=a, label="attention")
 
@@ -57,7 +90,14 @@ def _decoder_block(g: Graph, spec: Model) -> None:
         up = _linear(g, "up", h, "w_up", (d, hidden), m, "mlp")
         h = g.add(BLOCK, "hidden", "swiglu", {"gate": gate, "up": up}, source=m, label="mlp")
     else:
-        h = g.add(BLOCK, "hidden", "gelu", {"x": _linear(g, "up", h, "w_up", (d, hidden), m, "mlp")}, source=m, label="mlp")
+        h = g.add(
+            BLOCK,
+            "hidden",
+            "gelu",
+            {"x": _linear(g, "up", h, "w_up", (d, hidden), m, "mlp")},
+            source=m,
+            label="mlp",
+        )
     out = _linear(g, "mlp_out", h, "w_down", (hidden, d), m, "mlp")
     g.set_output(g.add(BLOCK, "x_mlp", "add", {"x": x, "y": out}, source=m, label="mlp"))
 

@@ -46,9 +46,7 @@ class Node:
     attrs: dict
     params: dict[str, Param]
     source: str  # spec file:line
-    label: (
-        str  # what the source line declares: "attention", "mlp", ... or the pass that made the node
-    )
+    label: str  # what the source line declares: "attention", "mlp", ... or the pass that made the node
     passes: tuple[str, ...] = ()
 
     def __str__(self) -> str:
@@ -129,9 +127,7 @@ class Graph:
         if op not in OPS:
             raise GraphError(f"{region}/{name}: unknown op {op!r}")
         if set(inputs) != set(OPS[op].slots):
-            raise GraphError(
-                f"{region}/{name}: op {op} takes inputs {OPS[op].slots}, got {tuple(inputs)}"
-            )
+            raise GraphError(f"{region}/{name}: op {op} takes inputs {OPS[op].slots}, got {tuple(inputs)}")
         for src in inputs.values():
             if src.region != region:
                 raise GraphError(f"{region}/{name}: input {src} is in another region")
@@ -163,9 +159,7 @@ class Graph:
     def inputs(self, node: Node) -> dict[str, Node]:
         dag = self.regions[node.region].dag
         slots = OPS[node.op].slots
-        found = {
-            key: self.node(node.region, src) for src, _, key in dag.in_edges(node.name, keys=True)
-        }
+        found = {key: self.node(node.region, src) for src, _, key in dag.in_edges(node.name, keys=True)}
         return {slot: found[slot] for slot in slots}
 
     def output(self, region: str) -> Node:
@@ -206,8 +200,7 @@ class Graph:
         exits = [
             n
             for n in nodes
-            if n.name == self.regions[region].output
-            or any(d not in names for d in dag.successors(n.name))
+            if n.name == self.regions[region].output or any(d not in names for d in dag.successors(n.name))
         ]
         if len(exits) != 1:
             raise GraphError(
@@ -232,9 +225,7 @@ class Graph:
         """
         source = self.regions[scan.attrs["blocks"][-1]]
         if source.repeat % every:
-            raise GraphError(
-                f"{source.name}: {source.repeat} layers do not split into groups of {every}"
-            )
+            raise GraphError(f"{source.name}: {source.repeat} layers do not split into groups of {every}")
         steps = source.repeat // every
         copied = self.add_region(name, repeat=steps, function=function)
         copied.attrs = copy.deepcopy(source.attrs)

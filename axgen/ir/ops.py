@@ -102,9 +102,7 @@ def _moe(ins, attrs, params):
         raise ShapeError(f"router_logits{logits} do not route x{x}")
     for role, param in params.items():
         if param.type.axes[0] != "expert" or param.type.sizes[0] != logits.sizes[-1]:
-            raise ShapeError(
-                f"expert weight {role}{param.type} does not lead with expert={logits.sizes[-1]}"
-            )
+            raise ShapeError(f"expert weight {role}{param.type} does not lead with expert={logits.sizes[-1]}")
     if params["w_down"].type.axes[-1] != "embed" or params["w_up"].type.axes[1] != "embed":
         raise ShapeError(
             f"experts must map embed -> embed, got w_up{params['w_up'].type}, w_down{params['w_down'].type}"

@@ -24,7 +24,9 @@ def _selected(node: Node, cfg: Quantize) -> bool:
 def quantize(g: Graph, cfg: Quantize) -> None:
     for experts in g.nodes(op="moe"):
         if cfg.include and re.fullmatch(cfg.include, str(experts)):
-            raise FeatureConflict("moe", f"include selects {experts}, whose ragged expert dots have no quantized form")
+            raise FeatureConflict(
+                "moe", f"include selects {experts}, whose ragged expert dots have no quantized form"
+            )
     dots = [n for n in g.nodes() if n.op in ("linear", "lm_head")]
     chosen = [n for n in dots if _selected(n, cfg)]
     if not chosen:

@@ -13,8 +13,16 @@ DOTS = ("qkv_proj", "out_proj", "mlp_in", "mlp_out")
 # policy -> (names kept on device, names offloaded to pinned host memory, why)
 POLICIES = {
     "full": ((), (), "keep each layer's input only; recompute the whole layer in backward"),
-    "save_dots": (DOTS, (), "keep every projection's output; recompute norms, rope, attention and activations"),
-    "save_dots_except_mlp": (DOTS[:2], (), "keep attention projections; recompute the MLP, the widest tensors"),
+    "save_dots": (
+        DOTS,
+        (),
+        "keep every projection's output; recompute norms, rope, attention and activations",
+    ),
+    "save_dots_except_mlp": (
+        DOTS[:2],
+        (),
+        "keep attention projections; recompute the MLP, the widest tensors",
+    ),
     "save_qkv_proj": (DOTS[:1], (), "keep q, k, v; recompute the rest"),
     "save_out_proj": (DOTS[1:2], (), "keep the attention output projection; recompute the rest"),
     "offload_dots": ((), DOTS, "move every projection's output to host memory and back for backward"),
@@ -38,5 +46,11 @@ def remat(g: Graph, cfg: Remat) -> None:
             name = NAMES.get((node.label, node.type.axes[-1] == "embed"))
             if name:
                 g.update(node, checkpoint_name=name)
-        policy = {"policy": cfg.policy, "save": save, "offload": offload, "why": why, "source": str(cfg.origin)}
+        policy = {
+            "policy": cfg.policy,
+            "save": save,
+            "offload": offload,
+            "why": why,
+            "source": str(cfg.origin),
+        }
         g.set_region_attrs(region.name, remat=policy)

@@ -10,4 +10,6 @@ def rope(g: Graph, cfg: RoPE) -> None:
     for attn in list(g.nodes(op="attention")):
         positions = g.node(attn.region, "positions")
         for slot in ("q", "k"):
-            g.insert_on_input(attn, slot, Op("rope", theta=cfg.theta, scaling=cfg.scaling), positions=positions)
+            g.insert_on_input(
+                attn, slot, Op("rope", theta=cfg.theta, scaling=cfg.scaling), positions=positions
+            )

@@ -483,9 +483,10 @@ def main(argv=None):
     mesh = make_mesh()
     data = TokenWindows(args.data, CONFIG["seq_len"], args.batch, CONFIG["seed"])
     options = ocp.CheckpointManagerOptions(save_interval_steps=CONFIG["checkpoint_every"], max_to_keep=3)
-    with jax.set_mesh(mesh), ocp.CheckpointManager(
-        os.path.abspath(args.ckpt_dir), options=options
-    ) as manager:
+    with (
+        jax.set_mesh(mesh),
+        ocp.CheckpointManager(os.path.abspath(args.ckpt_dir), options=options) as manager,
+    ):
         state, origin = restore_or_init(manager, mesh, CONFIG["seed"])
         step_fn = compile_train_step(mesh)
         batch_sharding = NamedSharding(mesh, logical_to_mesh(("batch", "seq"), (args.batch, 1), mesh.shape))
