@@ -1,4 +1,5 @@
-"""Spec file -> graph -> passes -> plan -> program text, and where each program lives in `generated/`."""
+"""Spec file -> graph -> feature passes -> target lowering -> program text, and where each program lives in
+`generated/`."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from axgen.backends import Plan, plan_for
+from axgen.backends import Plan, lower, plan_for
 from axgen.codegen import emit
 from axgen.ir import Graph, from_spec
 from axgen.loader import load_spec
@@ -35,11 +36,20 @@ def default_output(spec_path: str | Path, target: str, root: Path = Path("genera
     return root / Path(spec_path).stem / output_name(target)
 
 
-def build(spec_path: str | Path, target: str) -> Built:
-    spec = load_spec(spec_path)
+def lowered(spec: Model, target: str, after: str = "lowering") -> tuple[Graph, Plan, list[AppliedPass]]:
+    """The spec's graph after `after`: `spec` (as built), `passes` (the spec's features) or `lowering` (the
+    target's decisions too)."""
     plan = plan_for(spec, target)
     graph = from_spec(spec)
-    passes = run_passes(graph, plan.features)
+    passes = run_passes(graph, spec.features) if after != "spec" else []
+    if after == "lowering":
+        lower(graph, plan)
+    return graph, plan, passes
+
+
+def build(spec_path: str | Path, target: str) -> Built:
+    spec = load_spec(spec_path)
+    graph, plan, passes = lowered(spec, target)
     source = emit(graph, plan, spec, passes, display_path(str(spec_path)), output_name(target))
     return Built(spec, target, plan, graph, passes, source)
 

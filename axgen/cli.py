@@ -9,13 +9,13 @@ import sys
 from pathlib import Path
 
 from axgen.aot import AotError, compile_target, markdown
-from axgen.backends import FAMILIES, family_for, plan_for
-from axgen.build import build, default_output, write_atomically
+from axgen.backends import FAMILIES, family_for
+from axgen.build import build, default_output, lowered, write_atomically
 from axgen.corpus import write_token_file
 from axgen.explain import explain, render
-from axgen.ir import GraphError, from_spec
+from axgen.ir import GraphError
 from axgen.loader import load_spec
-from axgen.passes import PassError, run_passes
+from axgen.passes import PassError
 from axgen.spec import SpecError
 
 SPECS = Path("specs")
@@ -45,10 +45,15 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--check", action="store_true", help="write nothing; exit 1 if generated/ is stale")
     b.set_defaults(run=_build)
 
-    g = sub.add_parser("graph", help="print the IR of a spec, before or after its passes")
+    g = sub.add_parser("graph", help="print the IR of a spec: as built, after its feature passes, or lowered")
     g.add_argument("spec")
-    g.add_argument("--target", help="whose backend completes the features (default: the spec's first target)")
-    g.add_argument("--before-passes", action="store_true")
+    g.add_argument("--target", help="whose lowering to show (default: the spec's first target)")
+    g.add_argument(
+        "--after",
+        choices=("spec", "passes", "lowering"),
+        default="lowering",
+        help="the graph as the spec builds it, after the feature passes, or after the target's lowering (default)",
+    )
     g.set_defaults(run=_graph)
 
     e = sub.add_parser(
@@ -120,9 +125,7 @@ def _build(args) -> int:
 
 def _graph(args) -> int:
     spec = load_spec(args.spec)
-    graph = from_spec(spec)
-    if not args.before_passes:
-        run_passes(graph, plan_for(spec, args.target or spec.targets[0]).features)
+    graph, _, _ = lowered(spec, args.target or spec.targets[0], args.after)
     print(graph.dump(), end="")
     return 0
 

@@ -1,20 +1,25 @@
-"""`axgen explain`: what each pass did to a spec's graph, and what the pass costs to read.
+"""`axgen explain`: what each feature pass and each lowering step did to a spec's graph, and what it costs to read.
 
 The paper's measure of modularity is the lines a feature takes, however many layers and models it touches; this
 prints both sides of it from the compiler itself: the nodes a pass made or changed, the layers those nodes run in,
-and the logic lines of the pass's file (no docstrings, comments, imports or blank lines).
+and the logic lines of the pass's file (no docstrings, comments, imports or blank lines), or of the lowering step's
+function. Lowering steps are replayed on a copy of the graph to see which nodes each one changes.
 """
 
 from __future__ import annotations
 
 import ast
+import dataclasses
 import inspect
 import io
+import textwrap
 import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
-from axgen.build import Built
+from axgen.backends import lowering
+from axgen.build import Built, lowered
+from axgen.ir import Graph, Node
 from axgen.passes.manager import AppliedPass
 
 
@@ -34,26 +39,52 @@ class PassReport:
 
 def explain(built: Built) -> list[PassReport]:
     total_layers = sum(region.repeat for region in built.graph.blocks())
-    return [_report(built, applied, total_layers) for applied in built.passes]
+    return [_report(built, applied, total_layers) for applied in built.passes] + _lowering_reports(built)
+
+
+def _lowering_reports(built: Built) -> list[PassReport]:
+    graph, plan, _ = lowered(built.spec, built.target, after="passes")
+    reports = []
+    for step in lowering.STEPS:
+        before = _attrs_by_node(graph)
+        step(graph, plan)
+        touched = [n for n in graph.nodes() if before.get(str(n)) != repr(n.attrs)]
+        source = inspect.getsource(step)
+        reports.append(
+            _summary(
+                graph, f"lower.{step.__name__}", plan.backend_file, touched, source, "backends/lowering.py"
+            )
+        )
+    return reports
+
+
+def _attrs_by_node(graph: Graph) -> dict[str, str]:
+    return {str(n): repr(n.attrs) for n in graph.nodes()}
 
 
 def _report(built: Built, applied: AppliedPass, total_layers: int) -> PassReport:
     name = applied.registered.name
     touched = [node for node in built.graph.nodes() if name in node.passes]
-    regions = {node.region for node in touched if node.region != "main"}
     path = Path(inspect.getsourcefile(applied.registered.fn))
-    source = path.read_text()
+    summary = _summary(
+        built.graph, name, str(applied.feature.origin), touched, path.read_text(), f"passes/{path.name}"
+    )
+    return dataclasses.replace(summary, feature=applied.feature.summary())
+
+
+def _summary(graph: Graph, name: str, origin: str, touched: list[Node], source: str, file: str) -> PassReport:
+    regions = {node.region for node in touched if node.region != "main"}
     return PassReport(
         name=name,
-        feature=applied.feature.summary(),
-        origin=str(applied.feature.origin),
+        feature="",
+        origin=origin,
         nodes=len(touched),
-        instances=sum(built.graph.regions[node.region].repeat for node in touched),
-        layers=sum(built.graph.regions[r].repeat for r in regions),
+        instances=sum(graph.regions[node.region].repeat for node in touched),
+        layers=sum(graph.regions[r].repeat for r in regions),
         main_nodes=sum(node.region == "main" for node in touched),
-        logic_lines=logic_lines(source),
+        logic_lines=logic_lines(textwrap.dedent(source)),
         file_lines=len(source.splitlines()),
-        file=f"passes/{path.name}",
+        file=file,
     )
 
 
@@ -94,8 +125,9 @@ def _is_code(tok: tokenize.TokenInfo) -> bool:
 def render(built: Built, reports: list[PassReport]) -> str:
     total_layers = sum(region.repeat for region in built.graph.blocks())
     lines = [
-        f"{built.spec.name} for {built.target}: {total_layers} layers, {len(reports)} passes. Nodes the pass made or "
-        "changed; pass LoC counts code lines, not docstrings, comments or imports."
+        f"{built.spec.name} for {built.target}: {total_layers} layers, {len(built.passes)} feature passes, then the "
+        "target's lowering steps. Nodes each made or changed; LoC counts code lines, not docstrings, comments or "
+        "imports."
     ]
     header = ("pass", "feature", "graph nodes", "model nodes", "layers", "pass LoC", "")
     rows = [header]

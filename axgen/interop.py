@@ -4,18 +4,22 @@
     params = hf_to_params(safetensors.numpy.load_file("model.safetensors"), spec)
     logits = program.forward(params, tokens)      # tokens: int32 [batch, seq]
 
-Reads `LlamaForCausalLM`, `MistralForCausalLM` and `MixtralForCausalLM` checkpoints (transformers 5 layout).
+Reads checkpoints of the HF families the spec's graph names its params after (transformers 5 layout): Llama,
+Mistral and Mixtral.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 from pathlib import Path
 
 import numpy as np
 
-from axgen.spec import LayerNorm, Model
+from axgen.ir import Graph, Node, Param, from_spec
+from axgen.passes import run_passes
+from axgen.spec import Model
 
 
 def load_program(path: str | Path):
@@ -30,59 +34,60 @@ def load_program(path: str | Path):
 
 
 def hf_to_params(state_dict, spec: Model) -> dict:
-    """A Llama, Mistral or Mixtral state dict (name -> array, or a .safetensors path) as the emitted program's params.
+    """A Hugging Face state dict (name -> array, or a .safetensors path) as the emitted program's params.
 
-    HF stores linear weights [out_features, in_features] with heads contiguous along `out`; the emitted program
-    keeps named axes, e.g. wq [embed, heads, head_dim], stacked over layers. Mixtral's experts are fused:
-    gate_up_proj [experts, 2 * mlp, embed] with the gate rows first, down_proj [experts, embed, mlp].
+    Every param of the spec's graph says where it lives in an HF checkpoint (`Param.hf`, set by the graph
+    builder and by the pass that made the param): the tensor's name, with `{layer}` for the layer index, whether
+    torch stores it [out, in], and which part of a fused tensor it is. Params of a block are stacked over its
+    layers in the order the scan runs them. A param that HF checkpoints lack (an fp8 amax history) starts
+    from its init, zeros.
     """
     if isinstance(state_dict, (str, Path)):
         from safetensors.numpy import load_file
 
         state_dict = load_file(str(state_dict))
-    if isinstance(spec.decoder.norm, LayerNorm) or spec.decoder.mlp.activation != "swiglu":
-        raise ValueError("hf_to_params converts Llama-family checkpoints: RMSNorm and a swiglu MLP")
-    sd = {k: np.asarray(v, dtype=np.float32) for k, v in state_dict.items()}
-    attn, d = spec.decoder.attention, spec.d_model
-
-    def layer(i: int, name: str) -> np.ndarray:
-        return sd[f"model.layers.{i}.{name}"]
-
-    def layer_params(i: int) -> dict[str, np.ndarray]:
-        params = {
-            "attn_norm": layer(i, "input_layernorm.weight"),
-            "wq": layer(i, "self_attn.q_proj.weight").T.reshape(d, attn.num_heads, attn.head_dim),
-            "wk": layer(i, "self_attn.k_proj.weight").T.reshape(d, attn.num_kv_heads, attn.head_dim),
-            "wv": layer(i, "self_attn.v_proj.weight").T.reshape(d, attn.num_kv_heads, attn.head_dim),
-            "wo": layer(i, "self_attn.o_proj.weight").T.reshape(attn.num_heads, attn.head_dim, d),
-            "mlp_norm": layer(i, "post_attention_layernorm.weight"),
-        }
-        if f"model.layers.{i}.mlp.gate.weight" not in sd:
-            return params | {
-                "w_gate": layer(i, "mlp.gate_proj.weight").T,
-                "w_up": layer(i, "mlp.up_proj.weight").T,
-                "w_down": layer(i, "mlp.down_proj.weight").T,
-            }
-        gate, up = np.split(layer(i, "mlp.experts.gate_up_proj"), 2, axis=1)
-        return params | {
-            "router": layer(i, "mlp.gate.weight").T,
-            "w_gate": gate.transpose(0, 2, 1),
-            "w_up": up.transpose(0, 2, 1),
-            "w_down": layer(i, "mlp.experts.down_proj").transpose(0, 2, 1),
-        }
-
-    layers = [layer_params(i) for i in range(spec.decoder.num_layers)]
-    dense = [p for p in layers if "router" not in p]
-    sparse = [p for p in layers if "router" in p]
-    stacks = {"layers": dense or sparse, "moe_layers": sparse if dense else []}
-    params = {"embed": sd["model.embed_tokens.weight"]}
-    params |= {name: stack_layers(stack) for name, stack in stacks.items() if stack}
-    params["final_norm"] = sd["model.norm.weight"]
-    if not spec.tie_embeddings:
-        params["lm_head"] = sd["lm_head.weight"].T
+    graph = from_spec(spec)
+    run_passes(graph, spec.features)
+    params: dict = {}
+    for node in graph.nodes(region="main"):
+        if node.op == "scan":
+            for block, layers in _block_layers(graph, node).items():
+                region = graph.nodes(region=block)
+                params[block] = {
+                    p.key: np.stack([_hf_tensor(state_dict, p, i) for i in layers])
+                    for n in region
+                    for p in n.params.values()
+                }
+        params |= {p.key: _hf_tensor(state_dict, p, None) for p in node.params.values()}
     return params
 
 
-def stack_layers(layers: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    """Per-layer param dicts -> one dict of arrays stacked over layers (the emitted program's scan layout)."""
-    return {key: np.stack([layer[key] for layer in layers]) for key in layers[0]}
+def _block_layers(graph: Graph, scan: Node) -> dict[str, list[int]]:
+    """Each block's layer indices: a scan step runs each block's share of the step's layers in turn."""
+    per_step = {block: graph.regions[block].repeat // scan.attrs.steps for block in scan.attrs.blocks}
+    step_size, layers = sum(per_step.values()), {block: [] for block in per_step}
+    for step in range(scan.attrs.steps):
+        first = step * step_size
+        for block, count in per_step.items():
+            layers[block] += range(first, first + count)
+            first += count
+    return layers
+
+
+def _hf_tensor(state_dict, param: Param, layer: int | None) -> np.ndarray:
+    if param.hf is None:
+        return np.zeros(param.shape, np.float32)
+    name = param.hf.name.format(layer=layer)
+    if name not in state_dict:
+        raise KeyError(f"the checkpoint has no tensor {name!r} for param {param.key}{list(param.shape)}")
+    tensor = np.asarray(state_dict[name], dtype=np.float32)
+    if param.hf.chunk is not None:
+        index, count = param.hf.chunk
+        tensor = np.split(tensor, count, axis=-2)[index]
+    if param.hf.transpose:
+        tensor = np.swapaxes(tensor, -1, -2)
+    if tensor.size != math.prod(param.shape):
+        raise ValueError(
+            f"tensor {name!r} has shape {list(tensor.shape)}; param {param.key} needs {list(param.shape)}"
+        )
+    return tensor.reshape(param.shape)

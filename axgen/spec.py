@@ -40,15 +40,35 @@ __all__ = [
 ACTIVATIONS = ("swiglu", "gelu")
 QUANTIZE_DTYPES = ("int8", "fp8")
 FP8_SCALINGS = ("current", "delayed")
-REMAT_POLICIES = (
-    "none",
-    "full",
-    "save_dots",
-    "save_dots_except_mlp",
-    "save_qkv_proj",
-    "save_out_proj",
-    "offload_dots",
-)
+
+
+@dataclass(frozen=True)
+class RematPolicy:
+    """Which projections' outputs (by role: qkv_proj, out_proj, mlp_in, mlp_out) backward keeps on the device and
+    which it moves to host memory; everything else in a layer is recomputed. `checkpoint=False`: no remat."""
+
+    save: tuple[str, ...]
+    offload: tuple[str, ...]
+    why: str
+    checkpoint: bool = True
+
+
+_DOTS = ("qkv_proj", "out_proj", "mlp_in", "mlp_out")
+REMAT_POLICIES = {
+    "none": RematPolicy((), (), "keep every activation: no rematerialisation", checkpoint=False),
+    "full": RematPolicy((), (), "keep each layer's input only; recompute the whole layer in backward"),
+    "save_dots": RematPolicy(
+        _DOTS, (), "keep every projection's output; recompute norms, rope, attention and activations"
+    ),
+    "save_dots_except_mlp": RematPolicy(
+        _DOTS[:2], (), "keep attention projections; recompute the MLP, the widest tensors"
+    ),
+    "save_qkv_proj": RematPolicy(_DOTS[:1], (), "keep q, k, v; recompute the rest"),
+    "save_out_proj": RematPolicy(_DOTS[1:2], (), "keep the attention output projection; recompute the rest"),
+    "offload_dots": RematPolicy(
+        (), _DOTS, "move every projection's output to host memory and back for backward"
+    ),
+}
 # Outermost first: `model` is innermost so its collectives use the fastest links between neighbouring devices.
 MESH_AXES = ("data", "fsdp", "expert", "model")
 ATTENTION_KERNELS = ("xla", "splash", "cudnn")
@@ -307,18 +327,18 @@ class Feature(SpecNode):
         """Chip capabilities the feature needs (`host_offload`, `int8`, `fp8`); a target without one is an error."""
         return ()
 
-    def for_target(self, preferences: typing.Mapping[str, str]) -> Feature:
-        """This feature with the fields it leaves to the target filled from the backend's `preferences`."""
-        return self
-
     def summary(self) -> str:
         """`rope(theta=500000.0)`: how the feature is named in an emitted file's header."""
         args = ", ".join(
             f"{f.name}={getattr(self, f.name)}"
             for f in dataclasses.fields(self)
-            if f.name != "origin" and getattr(self, f.name) not in (None, False)
+            if f.name not in ("origin", *self.unremarkable()) and getattr(self, f.name) not in (None, False)
         )
         return f"{self.pass_name}({args})"
+
+    def unremarkable(self) -> tuple[str, ...]:
+        """Fields the summary leaves out because their values say nothing here."""
+        return ()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -442,16 +462,8 @@ class Quantize(Feature):
     def requires(self) -> tuple[str, ...]:
         return () if self.emulate or self.dtype is None else (self.dtype,)
 
-    def summary(self) -> str:
-        text = super().summary()
-        if self.scaling == "current":
-            text = text.replace(", scaling=current", "").replace(f", amax_history={self.amax_history}", "")
-        return text
-
-    def for_target(self, preferences: typing.Mapping[str, str]) -> Feature:
-        if self.dtype is not None:
-            return self
-        return dataclasses.replace(self, dtype=preferences["quantize_dtype"])
+    def unremarkable(self) -> tuple[str, ...]:
+        return () if self.scaling == "delayed" else ("scaling", "amax_history")
 
 
 class features:  # noqa: N801 - a namespace, used as `features as F` in spec files

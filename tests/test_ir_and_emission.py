@@ -2,7 +2,8 @@
 
 import pytest
 
-from axgen.build import build, default_output
+from axgen.build import build, default_output, lowered
+from axgen.cli import main as axgen
 from axgen.ir import GraphError, Op, from_spec
 from axgen.loader import load_spec
 from axgen.passes import PassError, run_passes
@@ -20,6 +21,23 @@ def test_dump_before_and_after_rope(snapshot):
     assert before == snapshot(name="before")
     assert graph.dump() == snapshot(name="after_rope")
     assert len(list(graph.nodes(op="rope"))) == 2
+
+
+@pytest.mark.parametrize(("name", "target"), [("llama_tiny", "tpu-v5e-8"), ("features_tiny", "gpu-h100-8")])
+def test_dump_after_lowering_shows_every_target_decision(name, target, snapshot):
+    graph, _, _ = lowered(load_spec(ROOT / f"specs/{name}.py"), target)
+    assert graph.dump() == snapshot
+
+
+def test_graph_command_prints_each_stage(capsys):
+    for after, present, absent in [
+        ("spec", "attention(q=q, k=k, v=v)", "rope("),
+        ("passes", "rope(x=q, positions=positions)", "kernel="),
+        ("lowering", "kernel=splash block=128", "kernel=None"),
+    ]:
+        assert axgen(["graph", "specs/llama_tiny.py", "--target", "tpu-v5e-8", "--after", after]) == 0
+        out = capsys.readouterr().out
+        assert present in out and absent not in out, (after, out)
 
 
 def test_emitted_cpu_program(snapshot):

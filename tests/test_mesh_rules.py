@@ -40,7 +40,7 @@ def test_backend_defaults_for_a_7b_model():
     llama2 = load_spec(ROOT / "specs/llama2_7b.py")
     v5e = plan_for(llama2, "tpu-v5e-256")
     assert dict(v5e.mesh) == {"data": 1, "fsdp": 256, "expert": 1, "model": 1}
-    assert v5e.feature("remat").policy == "offload_dots" and v5e.microbatch == 1 and v5e.grad_accum_steps == 4
+    assert v5e.remat.policy == "offload_dots" and v5e.microbatch == 1 and v5e.grad_accum_steps == 4
     assert v5e.attention == "splash" and v5e.attention_block == 512 and v5e.num_hosts == 64
     assert v5e.flags_variable == "LIBTPU_INIT_ARGS" and v5e.topology == "v5e:16x16"
     h100 = plan_for(llama2, "gpu-h100-8")
@@ -51,11 +51,11 @@ def test_backend_defaults_for_a_7b_model():
     assert dict(plan_for(llama3_8b, "gpu-h100-64").mesh) == {"data": 8, "fsdp": 8, "expert": 1, "model": 1}
     v5p = plan_for(llama3_8b, "tpu-v5p-128")
     assert dict(v5p.mesh)["fsdp"] == 128 and v5p.microbatch == 2 and v5p.grad_accum_steps == 2
-    assert v5p.feature("remat").policy == "save_dots" and v5p.xla_flags == ()
+    assert v5p.remat.policy == "save_dots" and v5p.xla_flags == ()
     llama3_70b = load_spec(ROOT / "specs/llama3_70b.py")
     v5p_512 = plan_for(llama3_70b, "tpu-v5p-512")
     assert dict(v5p_512.mesh) == {"data": 8, "fsdp": 64, "expert": 1, "model": 1}
-    assert v5p_512.feature("remat").policy == "full" and v5p_512.rule.origin.file == "specs/llama3_70b.py"
+    assert v5p_512.remat.policy == "full" and v5p_512.rule.origin.file == "specs/llama3_70b.py"
     # The 70B spec's own rule comes first: its weights need every GPU's memory.
     assert dict(plan_for(llama3_70b, "gpu-h100-64").mesh) == {"data": 1, "fsdp": 64, "expert": 1, "model": 1}
 
@@ -77,7 +77,7 @@ def test_spec_rules_come_before_the_backends(tmp_path):
     plan = plan_for(load_spec(tiny_with(tmp_path, "ruled", rule)), "cpu-8")
     assert dict(plan.mesh) == {"data": 4, "fsdp": 1, "expert": 1, "model": 2}
     assert plan.rule.origin.file == "specs/ruled.py" and plan.grad_accum_steps == 4
-    assert plan.feature("remat").policy == "full"
+    assert plan.remat.policy == "full"
     unmatched = plan_for(load_spec(tiny_with(tmp_path, "ruled", rule)), "cpu-1")
     assert unmatched.rule.why == "one device: the unsharded reference run"
 

@@ -2,11 +2,22 @@
 
 from axgen.backends import cpu, gpu, tpu, trainium
 from axgen.backends.common import LOGICAL_AXIS_RULES, Chip, Family, Plan, make_plan
+from axgen.backends.lowering import lower
 from axgen.spec import MeshRule, Model, SpecError
 
 FAMILIES: tuple[Family, ...] = (cpu.FAMILY, *tpu.FAMILIES, gpu.FAMILY, trainium.FAMILY)
 
-__all__ = ["FAMILIES", "LOGICAL_AXIS_RULES", "Chip", "Family", "MeshRule", "Plan", "family_for", "plan_for"]
+__all__ = [
+    "FAMILIES",
+    "LOGICAL_AXIS_RULES",
+    "Chip",
+    "Family",
+    "MeshRule",
+    "Plan",
+    "family_for",
+    "lower",
+    "plan_for",
+]
 
 
 def family_for(spec: Model, target: str) -> Family:

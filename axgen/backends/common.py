@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from axgen.spec import MESH_AXES, Feature, MeshRule, Model, Remat, SpecError
+from axgen.spec import MESH_AXES, MeshRule, Model, Remat, SpecError
 
 GIB = 1024**3
 
@@ -91,9 +91,9 @@ class Plan:
     flags_variable: str
     xla_flags: tuple[str, ...]
     topology: str | None  # for ahead-of-time compilation; None: fake CPU devices with this mesh
-    features: tuple[Feature, ...]  # the spec's, completed for this target, and the backend's defaults
+    remat: Remat | None  # the rule's or the backend's default, for blocks whose spec names no policy
+    quantize_dtype: str  # what a quantized dot whose spec names no dtype becomes
     logical_axis_rules: tuple[tuple[str, tuple[str, ...]], ...] = LOGICAL_AXIS_RULES
-    constrained_ops: frozenset[str] = field(default=frozenset({"embed", "add", "lm_head"}))
 
     @property
     def num_hosts(self) -> int:
@@ -103,9 +103,6 @@ class Plan:
     def dcn_mesh(self) -> tuple[tuple[str, int], ...]:
         """The mesh across slices: slices split `data`, every other axis stays inside a slice."""
         return tuple((axis, self.num_slices if axis == "data" else 1) for axis, _ in self.mesh)
-
-    def feature(self, pass_name: str) -> Feature | None:
-        return next((f for f in self.features if f.pass_name == pass_name), None)
 
 
 def make_plan(family: Family, spec: Model, target: str) -> Plan:
@@ -149,10 +146,11 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
         flags_variable=family.flags_variable,
         xla_flags=family.xla_flags + rule.xla_flags,
         topology=family.topology(per_slice) if family.topology else None,
-        features=_features(spec, rule, family),
+        remat=rule.remat or family.remat,
+        quantize_dtype=rule.quantize_dtype or family.quantize_dtype,
     )
     _check_attention(plan, family, spec)
-    _check_capabilities(plan)
+    _check_capabilities(plan, spec)
     return plan
 
 
@@ -168,14 +166,6 @@ def _mesh_shape(rule: MeshRule, num_devices: int, slices: int, target: str) -> t
         )
     sizes = {**{a: 1 for a in MESH_AXES}, **rule.mesh, **{a: num_devices // fixed for a in rest}}
     return tuple((a, sizes[a]) for a in MESH_AXES)
-
-
-def _features(spec: Model, rule: MeshRule, family: Family) -> tuple[Feature, ...]:
-    """The spec's features with target-chosen fields filled in, then the backend's defaults the spec lacks."""
-    preferences = {"quantize_dtype": rule.quantize_dtype or family.quantize_dtype}
-    chosen = tuple(f.for_target(preferences) for f in spec.features)
-    defaults = [f for f in (rule.remat or family.remat,) if f is not None]
-    return chosen + tuple(f for f in defaults if spec.feature(f.pass_name) is None)
 
 
 def _attention_block(rule: MeshRule, attention: str, spec: Model) -> int | None:
@@ -199,8 +189,10 @@ def _check_attention(plan: Plan, family: Family, spec: Model) -> None:
         )
 
 
-def _check_capabilities(plan: Plan) -> None:
-    for feature in plan.features:
+def _check_capabilities(plan: Plan, spec: Model) -> None:
+    """What the spec's features need, and the default remat when the spec names none, the chip must have."""
+    defaults = (plan.remat,) if plan.remat and spec.feature("remat") is None else ()
+    for feature in (*spec.features, *defaults):
         for need in feature.requires():
             if need not in plan.chip.capabilities:
                 have = ", ".join(sorted(plan.chip.capabilities)) or "none of them"

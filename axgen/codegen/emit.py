@@ -7,6 +7,7 @@ failure there is a compiler bug and names the template.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import black
@@ -15,28 +16,11 @@ import libcst
 
 import axgen
 from axgen.backends import Plan
-from axgen.ir import Graph, Node, cost
-from axgen.spec import Model
+from axgen.ir import OPS, Graph, Node, cost
+from axgen.spec import REMAT_POLICIES, Model
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATES = ROOT / "templates"
-
-# Op -> the macro file in templates/ops/ that renders it.
-OP_TEMPLATES = {
-    "positions": "embed",
-    "embed": "embed",
-    "lm_head": "embed",
-    "rms_norm": "norm",
-    "layer_norm": "norm",
-    "linear": "linear",
-    "rope": "rope",
-    "attention": "attention",
-    "swiglu": "mlp",
-    "gelu": "mlp",
-    "add": "residual",
-    "scan": "scan",
-    "moe": "moe",
-}
 
 # One letter per logical axis, for einsum strings a reader can decode: "bse,ehd->bshd".
 AXIS_LETTERS = {
@@ -78,7 +62,7 @@ def _environment() -> jinja2.Environment:
 
 
 def emit(graph: Graph, plan: Plan, spec: Model, passes: list, spec_path: str, output_name: str) -> str:
-    """The program's source text: deterministic, black-formatted, and parsed by libcst."""
+    """The program's source text from the lowered graph: deterministic, black-formatted, and parsed by libcst."""
     env = _environment()
     context = _context(env, graph, plan, spec, passes, spec_path, output_name)
     source = env.get_template("program.py.j2").render(**context)
@@ -91,9 +75,10 @@ def emit(graph: Graph, plan: Plan, spec: Model, passes: list, spec_path: str, ou
 
 
 def _context(env, graph, plan, spec, passes, spec_path, output_name) -> dict:
-    ops = {node.op for node in graph.nodes()}
-    groups = [_group(graph, scan) for scan in graph.nodes(op="scan") if _is_group(graph, scan)]
-    remat_policy = _remat_policy(graph)
+    nodes = list(graph.nodes())
+    groups = [_group(scan) for scan in graph.nodes(op="scan") if _is_group(scan)]
+    remat = _remat(graph)
+    quantized = any(getattr(n.attrs, "quantize", None) for n in nodes)
     return {
         "version": axgen.__version__,
         "spec": spec,
@@ -103,30 +88,43 @@ def _context(env, graph, plan, spec, passes, spec_path, output_name) -> dict:
         "mesh_text": " ".join(f"{axis}={size}" for axis, size in plan.mesh),
         "mesh_dict": repr(dict(plan.mesh)),
         "dcn_mesh_dict": repr(dict(plan.dcn_mesh)),
-        "passes_text": " · ".join(_pass_text(p.feature) for p in passes) or "none",
+        "passes_text": " · ".join(p.feature.summary() for p in passes) or "none",
+        "lowering_text": _lowering_text(graph, plan),
         "config": _config(spec, graph),
         "params_tree": _params_tree(graph),
-        "helpers": _helpers(env, graph, plan, ops),
-        "blocks": [_block(env, graph, plan, region) for region in graph.blocks()],
+        "helpers": _helpers(env, nodes),
+        "blocks": [_block(env, graph, region) for region in graph.blocks()],
         "groups": groups,
-        "regroup": any(call["per_step"] > 1 for group in groups for call in group["calls"]),
-        "main_lines": _lines(env, graph, plan, "main", param_root="params"),
+        "regroup": any(call.per_step > 1 for group in groups for call in group["calls"]),
+        "main_lines": _lines(env, graph, "main", param_root="params"),
         "main_output": graph.output("main").name,
-        "main_aux": [f"{scan.name}_aux" for scan in graph.nodes(op="scan") if _scan_has_aux(graph, scan)],
-        "aux_weights": {k: v for node in graph.nodes() for k, v in node.attrs.get("aux_weights", {}).items()},
-        "remat_policy": remat_policy,
-        "logical_axis_rules": _logical_axis_rules(graph, plan),
-        "statistics": any(not p.trained for node in graph.nodes() for p in node.params.values()),
-        "uses_checkpoint_name": any(n.attrs.get("checkpoint_name") for n in graph.nodes()),
-        "uses_functools": bool(remat_policy or _quantized(graph)),
-        "uses_splash": plan.attention == "splash" and "attention" in ops,
-        "aux_names": sorted({name for node in graph.nodes() for name in node.attrs.get("aux", ())}),
+        "main_aux": [f"{scan.name}_aux" for scan in graph.nodes(op="scan") if scan.attrs.returns_aux],
+        "aux_weights": graph.attrs["aux_losses"],
+        "aux_names": list(graph.attrs["aux_metrics"]),
+        "remat": remat,
+        "logical_axis_rules": list(graph.attrs["logical_axis_rules"].items()),
+        "statistics": any(not p.trained for node in nodes for p in node.params.values()),
+        "uses_checkpoint_name": any(getattr(n.attrs, "checkpoint_name", None) for n in nodes),
+        "uses_functools": bool(remat or quantized),
+        "uses_splash": any(n.attrs.kernel == "splash" for n in graph.nodes(op="attention")),
     }
 
 
-def _pass_text(feature) -> str:
-    from_backend = feature.origin.file.startswith("backends/")
-    return feature.summary() + (f" (default of {feature.origin})" if from_backend else "")
+def _lowering_text(graph: Graph, plan: Plan) -> str:
+    """What the target chose: the header's summary of the lowered graph."""
+    chosen = [
+        f"remat(policy={region.attrs['remat']}) ({region.attrs['remat_source']})"
+        for region in graph.blocks()[:1]
+        if region.attrs.get("remat_source", "").startswith("default of")
+    ]
+    kernels = {(n.attrs.kernel, n.attrs.block) for n in graph.nodes(op="attention")}
+    chosen += [
+        f"attention {kernel}" + (f" (blocks of {block})" if block else "")
+        for kernel, block in sorted(kernels)
+    ]
+    dots = sorted({n.attrs.quantize for n in graph.nodes() if getattr(n.attrs, "quantize", None)})
+    chosen += [f"{'/'.join(dots)} dots"] if dots else []
+    return " · ".join(chosen) + f" ({plan.backend_file})"
 
 
 def _config(spec: Model, graph: Graph) -> list[tuple[str, str, str]]:
@@ -178,7 +176,7 @@ def _params_tree(graph: Graph) -> str:
     """The PARAMS literal: main-region params in program order, each block's stacked under its name."""
     lines = ["{"]
     for node in graph.nodes(region="main"):
-        for block in node.attrs["blocks"] if node.op == "scan" else ():
+        for block in node.attrs.blocks if node.op == "scan" else ():
             region = graph.regions[block]
             lines.append(f'"{region.name}": {{  # stacked: one slice per layer')
             for block_node in graph.nodes(region=region.name):
@@ -203,180 +201,11 @@ def _param_entry(param, stack: int | None = None) -> str:
     return f'"{param.key}": ParamSpec({shape!r}, {axes!r}{extra}),'
 
 
-def _helpers(env, graph: Graph, plan: Plan, ops: set[str]) -> list[str]:
-    families = sorted(
-        {OP_TEMPLATES[op] for op in ops if op in OP_TEMPLATES}
-        | ({"quantize"} if _quantized(graph) else set())
-    )
-    helpers = []
-    for family in families:
-        module = env.get_template(f"ops/{family}.j2").module
-        if family == "rope":
-            helpers.append(module.helpers(ops, next(graph.nodes(op="rope")).attrs["scaling"]))
-        elif family == "attention":
-            helpers.append(module.helpers(ops, plan.attention))
-        elif family == "quantize":
-            helpers.append(module.helpers(ops, _quantized(graph)))
-        elif family == "moe":
-            helpers.append(module.helpers(ops, list(graph.nodes(op="moe"))))
-        else:
-            helpers.append(module.helpers(ops))
-    return [h.strip("\n") + "\n\n" for h in helpers if h.strip()]
-
-
-def _block(env, graph: Graph, plan: Plan, region) -> dict:
-    aux = [f"{node.name}_aux" for node in graph.nodes(region=region.name) if node.attrs.get("aux")]
-    return {
-        "name": region.name,
-        "function": region.function,
-        "repeat": region.repeat,
-        "lines": _lines(env, graph, plan, region.name, param_root="p"),
-        "output": graph.output(region.name).name,
-        "aux": _merged(aux),
-        "remat": region.attrs.get("remat"),
-    }
-
-
 def _merged(dicts: list[str]) -> str | None:
     """An expression for the union of the named dicts: the name itself when there is one."""
     if len(dicts) <= 1:
         return dicts[0] if dicts else None
     return "{" + ", ".join(f"**{d}" for d in dicts) + "}"
-
-
-def _logical_axis_rules(graph: Graph, plan: Plan) -> list[tuple[str, tuple[str, ...]]]:
-    """The rules for the logical axes this program's tensors have (stacked params add `layers`)."""
-    types = [n.type for n in graph.nodes()] + [p.type for n in graph.nodes() for p in n.params.values()]
-    used = {axis for t in types for axis in t.axes} | {"layers"}
-    return [(axis, mesh_axes) for axis, mesh_axes in plan.logical_axis_rules if axis in used]
-
-
-def _quantized(graph: Graph) -> set[str]:
-    return {node.attrs["quantize"] for node in graph.nodes() if node.attrs.get("quantize")}
-
-
-def _remat_policy(graph: Graph) -> dict | None:
-    """The one jax.checkpoint policy of the program's blocks, as a comment and an expression."""
-    policies = {repr(r.attrs["remat"]): r.attrs["remat"] for r in graph.blocks() if r.attrs.get("remat")}
-    if not policies:
-        return None
-    if len(policies) > 1:
-        raise EmitError(f"blocks have different remat policies: {sorted(policies)}")
-    remat = next(iter(policies.values()))
-
-    def names(key: str) -> str:
-        return ", ".join(f'"{n}"' for n in remat[key])
-
-    if remat["offload"]:
-        expression = (
-            f"jax.checkpoint_policies.save_and_offload_only_these_names(names_which_can_be_saved=[{names('save')}], "
-            f'names_which_can_be_offloaded=[{names("offload")}], offload_src="device", offload_dst="pinned_host")'
-        )
-    elif remat["save"]:
-        expression = f"jax.checkpoint_policies.save_only_these_names({names('save')})"
-    else:
-        expression = "jax.checkpoint_policies.nothing_saveable"
-    comment = f"# remat · passes/remat.py · {remat['source']} · policy {remat['policy']}: {remat['why']}"
-    return {"comment": comment, "expression": expression}
-
-
-def _has_aux(graph: Graph, region: str) -> bool:
-    return any(node.attrs.get("aux") for node in graph.nodes(region=region))
-
-
-def _scan_has_aux(graph: Graph, scan: Node) -> bool:
-    return any(_has_aux(graph, block) for block in scan.attrs["blocks"])
-
-
-def _is_group(graph: Graph, scan: Node) -> bool:
-    """Whether one scan step runs more than one layer: a mixed stack, or several layers of one block."""
-    blocks = scan.attrs["blocks"]
-    return len(blocks) > 1 or graph.regions[blocks[0]].repeat != scan.attrs["steps"]
-
-
-def _group(graph: Graph, scan: Node) -> dict:
-    """The function one step of a grouped scan runs: each block's layers of the group, in order."""
-    calls = []
-    for block in scan.attrs["blocks"]:
-        region = graph.regions[block]
-        calls.append(
-            {
-                "block": block,
-                "function": region.function,
-                "per_step": region.repeat // scan.attrs["steps"],
-                "aux": _has_aux(graph, block),
-            }
-        )
-    if sum(call["aux"] for call in calls) > 1:
-        raise EmitError(f"scan {scan.name}: more than one block of a group has auxiliary outputs")
-    return {
-        "function": f"{scan.name}_group",
-        "steps": scan.attrs["steps"],
-        "calls": calls,
-        "aux": _scan_has_aux(graph, scan),
-    }
-
-
-def _lines(env, graph: Graph, plan: Plan, region: str, param_root: str) -> list[str]:
-    """One statement per node, a provenance comment per run of nodes from the same spec line and passes."""
-    lines, last_provenance = [], None
-    for node in graph.nodes(region=region):
-        if node.op == "input":
-            continue
-        provenance = _provenance(node, plan)
-        if provenance != last_provenance:
-            lines.append(provenance)
-            last_provenance = provenance
-        lines.append(_statement(env, graph, node, param_root, plan))
-        if node.op in plan.constrained_ops:
-            lines.append(f"{node.name} = constrain({node.name}, {node.type.axes!r})")
-    return lines
-
-
-def _provenance(node: Node, plan: Plan) -> str:
-    """`# label · passes/made_by.py · kernel · spec line · changed by passes/x.py`: where the statement comes from."""
-    where = [node.label]
-    where += [f"passes/{p}.py" for p in node.passes if p == node.label]
-    if node.op == "attention":
-        where.append(f"kernel {plan.attention} ({plan.backend_file})")
-    where.append(node.source)
-    changed = [f"passes/{p}.py" for p in node.passes if p != node.label]
-    if changed:
-        where.append("changed by " + ", ".join(changed))
-    return "# " + " · ".join(where)
-
-
-def _statement(env, graph: Graph, node: Node, param_root: str, plan: Plan) -> str:
-    args = {slot: src.name for slot, src in graph.inputs(node).items()}
-    weights = {role: f'{param_root}["{p.key}"]' for role, p in node.params.items()}
-    attrs = dict(node.attrs)
-    if node.op == "linear":
-        attrs["einsum"] = _einsum(
-            graph.inputs(node)["x"].type.axes, node.params["w"].type.axes, node.type.axes
-        )
-    if node.op == "scan":
-        attrs.update(_scan_call(graph, node, param_root))
-    if node.op == "attention":
-        attrs["kernel"] = plan.attention
-    macro = getattr(env.get_template(f"ops/{OP_TEMPLATES[node.op]}.j2").module, node.op)
-    statement = str(macro(node.name, attrs, args, weights)).strip()
-    return f"{statement}  # {node.type}" if "#" not in statement else statement
-
-
-def _scan_call(graph: Graph, scan: Node, param_root: str) -> dict:
-    """The function a scan step calls and the stacked params it scans over."""
-    aux = _scan_has_aux(graph, scan)
-    if not _is_group(graph, scan):
-        block = scan.attrs["blocks"][0]
-        return {"function": graph.regions[block].function, "xs": f'{param_root}["{block}"]', "aux": aux}
-    group = _group(graph, scan)
-    entries = []
-    for call in group["calls"]:
-        stacked = f'{param_root}["{call["block"]}"]'
-        if call["per_step"] > 1:
-            stacked = f"regroup({stacked}, {group['steps']})"
-        entries.append(f'"{call["block"]}": {stacked}')
-    return {"function": group["function"], "xs": "{" + ", ".join(entries) + "}", "aux": aux}
 
 
 def _einsum(x_axes, w_axes, out_axes) -> str:
@@ -388,3 +217,112 @@ def _einsum(x_axes, w_axes, out_axes) -> str:
 
 def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
+
+
+def _helpers(env, nodes: list[Node]) -> list[str]:
+    """Each op template's helper functions, given the nodes it prints, in template order."""
+    by_template: dict[str, list[Node]] = {}
+    for node in nodes:
+        by_template.setdefault(OPS[node.op].template, []).append(node)
+    helpers = [env.get_template(f"ops/{t}.j2").module.helpers(by_template[t]) for t in sorted(by_template)]
+    return [h.strip("\n") + "\n\n" for h in helpers if h.strip()]
+
+
+def _block(env, graph: Graph, region) -> dict:
+    return {
+        "name": region.name,
+        "function": region.function,
+        "repeat": region.repeat,
+        "lines": _lines(env, graph, region.name, param_root="p"),
+        "output": graph.output(region.name).name,
+        "aux": _merged(list(region.attrs.get("aux", ()))),
+        "remat": _block_remat(region),
+    }
+
+
+def _remat(graph: Graph) -> dict | None:
+    """The one jax.checkpoint policy of the program's blocks, from the remat lowering."""
+    chosen = {(r.attrs["remat"], r.attrs["remat_source"]) for r in graph.blocks() if _block_remat(r)}
+    if not chosen:
+        return None
+    if len(chosen) > 1:
+        raise EmitError(f"blocks have different remat policies: {sorted(chosen)}")
+    ((name, source),) = chosen
+    policy = REMAT_POLICIES[name]
+    return {"name": name, "source": source, "save": policy.save, "offload": policy.offload, "why": policy.why}
+
+
+def _block_remat(region) -> bool:
+    return REMAT_POLICIES[region.attrs.get("remat", "none")].checkpoint
+
+
+def _is_group(scan: Node) -> bool:
+    """Whether one scan step runs more than one layer: a mixed stack, or several layers of one block."""
+    return len(scan.attrs.calls) > 1 or scan.attrs.calls[0].per_step > 1
+
+
+def _group(scan: Node) -> dict:
+    """The function one step of a grouped scan runs: each block's layers of the group, in order."""
+    return {
+        "function": scan.attrs.function,
+        "steps": scan.attrs.steps,
+        "calls": scan.attrs.calls,
+        "aux": scan.attrs.returns_aux,
+    }
+
+
+def _lines(env, graph: Graph, region: str, param_root: str) -> list[str]:
+    """One statement per node, a provenance comment per run of nodes from the same spec line and passes."""
+    lines, last_provenance = [], None
+    for node in graph.nodes(region=region):
+        if node.op == "input":
+            continue
+        provenance = _provenance(node, graph.attrs["backend_file"])
+        if provenance != last_provenance:
+            lines.append(provenance)
+            last_provenance = provenance
+        lines.append(_statement(env, graph, node, param_root))
+        if node.attrs.constrain:
+            lines.append(f"{node.name} = constrain({node.name}, {node.attrs.constrain!r})")
+    return lines
+
+
+def _provenance(node: Node, backend_file: str) -> str:
+    """`# label · passes/made_by.py · kernel · spec line · changed by passes/x.py`: where the statement comes from."""
+    where = [node.label]
+    where += [f"passes/{p}.py" for p in node.passes if p == node.label]
+    if node.op == "attention":
+        where.append(f"kernel {node.attrs.kernel} ({backend_file})")
+    where.append(node.source)
+    changed = [f"passes/{p}.py" for p in node.passes if p != node.label]
+    if changed:
+        where.append("changed by " + ", ".join(changed))
+    return "# " + " · ".join(where)
+
+
+def _statement(env, graph: Graph, node: Node, param_root: str) -> str:
+    args = {slot: src.name for slot, src in graph.inputs(node).items()}
+    weights = {role: f'{param_root}["{p.key}"]' for role, p in node.params.items()}
+    attrs = {f.name: getattr(node.attrs, f.name) for f in dataclasses.fields(node.attrs)}
+    if node.op == "linear":
+        attrs["einsum"] = _einsum(
+            graph.inputs(node)["x"].type.axes, node.params["w"].type.axes, node.type.axes
+        )
+    if node.op == "scan":
+        attrs["xs"] = _scan_xs(node, param_root)
+    template = env.get_template(f"ops/{OPS[node.op].template}.j2").module
+    statement = str(getattr(template, node.op)(node.name, attrs, args, weights)).strip()
+    return f"{statement}  # {node.type}" if "#" not in statement else statement
+
+
+def _scan_xs(scan: Node, param_root: str) -> str:
+    """The stacked params a scan runs over: one block's, or each block's of a group, regrouped per step."""
+    if not _is_group(scan):
+        return f'{param_root}["{scan.attrs.blocks[0]}"]'
+    entries = []
+    for call in scan.attrs.calls:
+        stacked = f'{param_root}["{call.block}"]'
+        if call.per_step > 1:
+            stacked = f"regroup({stacked}, {scan.attrs.steps})"
+        entries.append(f'"{call.block}": {stacked}')
+    return "{" + ", ".join(entries) + "}"

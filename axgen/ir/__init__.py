@@ -1,9 +1,27 @@
 """The graph IR: ops in named axes, regions for repeated blocks, provenance, a stable dump."""
 
 from axgen.ir import cost
-from axgen.ir.from_spec import from_spec
+from axgen.ir.from_spec import LAYER, from_spec
 from axgen.ir.graph import Graph, GraphError, Node, Op, Region
-from axgen.ir.ops import OPS
-from axgen.ir.types import Param, TensorType
+from axgen.ir.ops import OPS, Attrs, ScanCall, ShapeError, register_op, same_as
+from axgen.ir.types import HFWeight, Param, TensorType
 
-__all__ = ["OPS", "Graph", "GraphError", "Node", "Op", "Param", "Region", "TensorType", "cost", "from_spec"]
+__all__ = [
+    "LAYER",
+    "OPS",
+    "Attrs",
+    "Graph",
+    "GraphError",
+    "HFWeight",
+    "Node",
+    "Op",
+    "Param",
+    "Region",
+    "ScanCall",
+    "ShapeError",
+    "TensorType",
+    "cost",
+    "from_spec",
+    "register_op",
+    "same_as",
+]

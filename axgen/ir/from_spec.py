@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from axgen.ir.graph import Graph, Node
-from axgen.ir.types import Param, TensorType
+from axgen.ir.types import HFWeight, Param, TensorType
 from axgen.spec import LayerNorm, Model, RMSNorm
 
 BLOCK = "layers"
+LAYER = "model.layers.{layer}"  # HF's prefix of one decoder layer's tensors
 
 
 def from_spec(spec: Model) -> Graph:
@@ -17,7 +18,8 @@ def from_spec(spec: Model) -> Graph:
     embed_type = TensorType.of(("embed", spec.d_model))
     tokens = g.add("main", "tokens", "input", source=src, label="tokens", type=TensorType.of("batch", "seq"))
     positions = g.add("main", "positions", "positions", {"tokens": tokens}, source=src, label="tokens")
-    table = Param("embed", TensorType.of(("vocab", spec.vocab_size)).concat(embed_type), decay=False)
+    table_type = TensorType.of(("vocab", spec.vocab_size)).concat(embed_type)
+    table = Param("embed", table_type, decay=False, hf=HFWeight("model.embed_tokens.weight"))
     x = g.add("main", "embed", "embed", {"tokens": tokens}, {"table": table}, source=src, label="embedding")
     x = g.add(
         "main",
@@ -29,23 +31,23 @@ def from_spec(spec: Model) -> Graph:
         blocks=(BLOCK,),
         steps=spec.decoder.num_layers,
     )
-    x = _norm(g, "main", "final_norm", x, spec.decoder.norm)
+    x = _norm(g, "main", "final_norm", x, spec.decoder.norm, "model.norm")
     if spec.tie_embeddings:
-        logits = g.add(
-            "main",
-            "logits",
-            "lm_head",
-            {"x": x},
-            source=src,
-            label="output",
-            tied=True,
-            vocab=spec.vocab_size,
-        )
+        params = {}  # multiplies by the input embedding's table
     else:
-        w = Param("lm_head", embed_type.concat(TensorType.of(("vocab", spec.vocab_size))))
-        logits = g.add(
-            "main", "logits", "lm_head", {"x": x}, {"w": w}, source=src, label="output", tied=False
-        )
+        w_type = embed_type.concat(TensorType.of(("vocab", spec.vocab_size)))
+        params = {"w": Param("lm_head", w_type, hf=HFWeight("lm_head.weight", transpose=True))}
+    logits = g.add(
+        "main",
+        "logits",
+        "lm_head",
+        {"x": x},
+        params,
+        source=src,
+        label="output",
+        tied=spec.tie_embeddings,
+        vocab=spec.vocab_size,
+    )
     g.set_output(logits)
     return g
 
@@ -67,54 +69,60 @@ def _decoder_block(g: Graph, spec: Model) -> None:
     g.add(BLOCK, "positions", "input", source=str(decoder.origin), label="decoder", type=TensorType.of("seq"))
 
     a = str(attn.origin)
-    h = _norm(g, BLOCK, "attn_norm", x, decoder.norm)
+    h = _norm(g, BLOCK, "attn_norm", x, decoder.norm, f"{LAYER}.input_layernorm")
     heads, kv_heads, head_dim = (
         ("heads", attn.num_heads),
         ("kv_heads", attn.num_kv_heads),
         ("head_dim", attn.head_dim),
     )
-    q = _linear(g, "q", h, "wq", (d, heads, head_dim), a, "attention")
-    k = _linear(g, "k", h, "wk", (d, kv_heads, head_dim), a, "attention")
-    v = _linear(g, "v", h, "wv", (d, kv_heads, head_dim), a, "attention")
+    q = _linear(g, "q", h, "wq", "self_attn.q_proj", (d, heads, head_dim), a, "attention", "qkv_proj")
+    k = _linear(g, "k", h, "wk", "self_attn.k_proj", (d, kv_heads, head_dim), a, "attention", "qkv_proj")
+    v = _linear(g, "v", h, "wv", "self_attn.v_proj", (d, kv_heads, head_dim), a, "attention", "qkv_proj")
     out = g.add(
         BLOCK, "attn", "attention", {"q": q, "k": k, "v": v}, source=a, label="attention", causal=True
     )
-    out = _linear(g, "attn_out", out, "wo", (heads, head_dim, d), a, "attention")
+    out = _linear(
+        g, "attn_out", out, "wo", "self_attn.o_proj", (heads, head_dim, d), a, "attention", "out_proj"
+    )
     x = g.add(BLOCK, "x_attn", "add", {"x": x, "y": out}, source=a, label="attention")
 
     m = str(mlp.origin)
-    h = _norm(g, BLOCK, "mlp_norm", x, decoder.norm)
+    h = _norm(g, BLOCK, "mlp_norm", x, decoder.norm, f"{LAYER}.post_attention_layernorm")
     hidden = ("mlp", mlp.hidden_dim)
     if mlp.activation == "swiglu":
-        gate = _linear(g, "gate", h, "w_gate", (d, hidden), m, "mlp")
-        up = _linear(g, "up", h, "w_up", (d, hidden), m, "mlp")
+        gate = _linear(g, "gate", h, "w_gate", "mlp.gate_proj", (d, hidden), m, "mlp", "mlp_in")
+        up = _linear(g, "up", h, "w_up", "mlp.up_proj", (d, hidden), m, "mlp", "mlp_in")
         h = g.add(BLOCK, "hidden", "swiglu", {"gate": gate, "up": up}, source=m, label="mlp")
     else:
         h = g.add(
             BLOCK,
             "hidden",
             "gelu",
-            {"x": _linear(g, "up", h, "w_up", (d, hidden), m, "mlp")},
+            {"x": _linear(g, "up", h, "w_up", "mlp.up_proj", (d, hidden), m, "mlp", "mlp_in")},
             source=m,
             label="mlp",
         )
-    out = _linear(g, "mlp_out", h, "w_down", (hidden, d), m, "mlp")
+    out = _linear(g, "mlp_out", h, "w_down", "mlp.down_proj", (hidden, d), m, "mlp", "mlp_out")
     g.set_output(g.add(BLOCK, "x_mlp", "add", {"x": x, "y": out}, source=m, label="mlp"))
 
 
-def _linear(g: Graph, name: str, x: Node, weight: str, axes: tuple, source: str, label: str) -> Node:
-    w = Param(weight, TensorType.of(*axes))
-    return g.add(x.region, name, "linear", {"x": x}, {"w": w}, source=source, label=label)
+def _linear(
+    g: Graph, name: str, x: Node, weight: str, hf: str, axes: tuple, source: str, label: str, role: str
+) -> Node:
+    """A projection; its `role` is MaxText's name for it, which remat policies save or recompute by. `hf` names
+    the layer's torch Linear, which stores the weight [out, in]."""
+    w = Param(weight, TensorType.of(*axes), hf=HFWeight(f"{LAYER}.{hf}.weight", transpose=True))
+    return g.add(x.region, name, "linear", {"x": x}, {"w": w}, source=source, label=label, role=role)
 
 
-def _norm(g: Graph, region: str, name: str, x: Node, norm: RMSNorm | LayerNorm) -> Node:
+def _norm(g: Graph, region: str, name: str, x: Node, norm: RMSNorm | LayerNorm, hf: str) -> Node:
     last = TensorType(x.type.axes[-1:], x.type.sizes[-1:])
     src = str(norm.origin)
     if isinstance(norm, RMSNorm):
-        params = {"scale": Param(name, last, init="ones", decay=False)}
+        params = {"scale": Param(name, last, init="ones", decay=False, hf=HFWeight(f"{hf}.weight"))}
         return g.add(region, name, "rms_norm", {"x": x}, params, source=src, label="norm", eps=norm.eps)
     params = {
-        "scale": Param(f"{name}_scale", last, init="ones", decay=False),
-        "bias": Param(f"{name}_bias", last, init="zeros", decay=False),
+        "scale": Param(f"{name}_scale", last, init="ones", decay=False, hf=HFWeight(f"{hf}.weight")),
+        "bias": Param(f"{name}_bias", last, init="zeros", decay=False, hf=HFWeight(f"{hf}.bias")),
     }
     return g.add(region, name, "layer_norm", {"x": x}, params, source=src, label="norm", eps=norm.eps)

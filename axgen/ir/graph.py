@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
-from axgen.ir.ops import OPS, ShapeError
+from axgen.ir.ops import OPS, Attrs, ShapeError
 from axgen.ir.types import Param, TensorType
 
 
@@ -27,14 +27,17 @@ class GraphError(ValueError):
 
 @dataclass(frozen=True)
 class Op:
-    """A node to be created by a rewrite: its op kind and attrs (`Op("rope", theta=1e4)`)."""
+    """A node to be created by a rewrite: its op kind, attrs and learned params
+    (`Op("rms_norm", params={"scale": Param(...)}, eps=1e-6)`)."""
 
     kind: str
     attrs: dict = field(default_factory=dict)
+    params: dict[str, Param] = field(default_factory=dict)
 
-    def __init__(self, kind: str, **attrs):
+    def __init__(self, kind: str, params: dict[str, Param] | None = None, **attrs):
         object.__setattr__(self, "kind", kind)
         object.__setattr__(self, "attrs", attrs)
+        object.__setattr__(self, "params", params or {})
 
 
 @dataclass
@@ -43,7 +46,7 @@ class Node:
     name: str
     op: str
     type: TensorType
-    attrs: dict
+    attrs: Attrs  # the op's own dataclass (ops.py)
     params: dict[str, Param]
     source: str  # spec file:line
     label: str  # what the source line declares: "attention", "mlp", ... or the pass that made the node
@@ -78,6 +81,7 @@ class Graph:
     def __init__(self, name: str):
         self.name = name
         self.regions: dict[str, Region] = {}
+        self.attrs: dict = {}  # what lowering decides for the whole program: mesh, sharding rules, aux losses
         self._pass: tuple[str, str] | None = None  # (pass name, spec source) while a pass runs
 
     # --- building -------------------------------------------------------------------------------------------------
@@ -103,11 +107,12 @@ class Graph:
         inputs, params = inputs or {}, params or {}
         dag = self.regions[region].dag
         name = self._unique(region, name)
-        node_type = self._infer(region, name, op, inputs, attrs, params)
+        typed = self._attrs(region, name, op, OPS[op].attrs if op in OPS else None, attrs)
+        node_type = self._infer(region, name, op, inputs, typed, params)
         passes = (self._pass[0],) if self._pass else ()
         source = source or (self._pass[1] if self._pass else "")
         label = label or (self._pass[0] if self._pass else op)
-        node = Node(region, name, op, node_type, attrs, params, source, label, passes)
+        node = Node(region, name, op, node_type, typed, params, source, label, passes)
         dag.add_node(name, node=node)
         for slot, src in inputs.items():
             dag.add_edge(src.name, name, key=slot)
@@ -122,6 +127,24 @@ class Graph:
             n += 1
             candidate = f"{name}_{n}"
         return candidate
+
+    @staticmethod
+    def _attrs(
+        region: str, name: str, op: str, cls: type[Attrs] | None, values: dict, base: Attrs | None = None
+    ):
+        """The op's typed attrs from `values` (over `base`, when rewriting); an unknown or missing one is an error."""
+        if cls is None:
+            raise GraphError(f"{region}/{name}: unknown op {op!r}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise GraphError(
+                f"{region}/{name}: op {op} has no attr {unknown[0]!r}; it has {', '.join(sorted(known))}"
+            )
+        try:
+            return dataclasses.replace(base, **values) if base is not None else cls(**values)
+        except TypeError as err:
+            raise GraphError(f"{region}/{name} ({op}): {err}") from None
 
     def _infer(self, region, name, op, inputs, attrs, params) -> TensorType:
         if op not in OPS:
@@ -182,7 +205,7 @@ class Graph:
     def update(self, node: Node, params: dict[str, Param] | None = None, **attrs) -> Node:
         """Sets attrs on `node` and adds `params` (a rewrite that keeps its inputs); its shape rule must still hold."""
         inputs = self.inputs(node)
-        node.attrs = {**node.attrs, **attrs}
+        node.attrs = self._attrs(node.region, node.name, node.op, type(node.attrs), attrs, node.attrs)
         node.params = {**node.params, **(params or {})}
         self._infer(node.region, node.name, node.op, inputs, node.attrs, node.params)
         self._touch(node)
@@ -223,21 +246,18 @@ class Graph:
 
         The scan then runs its old blocks and the copy in turn, `repeat / every` times; passes rewrite the copy.
         """
-        source = self.regions[scan.attrs["blocks"][-1]]
+        source = self.regions[scan.attrs.blocks[-1]]
         if source.repeat % every:
             raise GraphError(f"{source.name}: {source.repeat} layers do not split into groups of {every}")
         steps = source.repeat // every
         copied = self.add_region(name, repeat=steps, function=function)
         copied.attrs = copy.deepcopy(source.attrs)
         for node_name, data in source.dag.nodes(data=True):
-            copied.dag.add_node(
-                node_name,
-                node=dataclasses.replace(data["node"], region=name, attrs=dict(data["node"].attrs)),
-            )
+            copied.dag.add_node(node_name, node=dataclasses.replace(data["node"], region=name))
         copied.dag.add_edges_from(source.dag.edges(keys=True))
         copied.output = source.output
         source.repeat -= steps
-        self.update(scan, blocks=(*scan.attrs["blocks"], name), steps=steps)
+        self.update(scan, blocks=(*scan.attrs.blocks, name), steps=steps)
         return copied
 
     def insert_on_input(self, node: Node, slot: str, op: Op, **extra_inputs: Node) -> Node:
@@ -249,6 +269,7 @@ class Graph:
             f"{producer.name}_{op.kind}",
             op.kind,
             {"x": producer, **extra_inputs},
+            op.params,
             **op.attrs,
         )
         dag.remove_edge(producer.name, node.name, key=slot)
@@ -265,9 +286,10 @@ class Graph:
     def dump(self) -> str:
         """A stable text form: regions in order, nodes topologically sorted, no ids or addresses."""
         lines = [f"graph {self.name}"]
+        lines += [f"  {key}={_text(value)}" for key, value in self.attrs.items()]
         for region in self.regions.values():
             repeat = f" repeat={region.repeat}" if region.repeat > 1 else ""
-            attrs = "".join(f" {k}={v}" for k, v in sorted(region.attrs.items()))
+            attrs = "".join(f" {k}={_text(v)}" for k, v in sorted(region.attrs.items()))
             lines.append(f"region {region.name}{repeat}{attrs}")
             for node in self.nodes(region=region.name):
                 lines.append("  " + _dump_node(self, node))
@@ -277,7 +299,16 @@ class Graph:
 
 def _dump_node(graph: Graph, node: Node) -> str:
     args = ", ".join(f"{slot}={src.name}" for slot, src in graph.inputs(node).items())
-    attrs = "".join(f" {k}={v}" for k, v in sorted(node.attrs.items()) if k != "type")
+    attrs = "".join(f" {k}={_text(v)}" for k, v in node.attrs.changed().items() if k != "type")
     params = "".join(f" {role}:{p}" for role, p in sorted(node.params.items()))
     passes = f" passes={','.join(node.passes)}" if node.passes else ""
     return f"{node.name} = {node.op}({args}){attrs}{params} -> {node.type}  # {node.label} · {node.source}{passes}"
+
+
+def _text(value) -> str:
+    """Tuples and dicts as short comma lists, so a dump line stays readable."""
+    if isinstance(value, dict):
+        return "{" + ",".join(f"{k}:{_text(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, tuple):
+        return "(" + ",".join(_text(v) for v in value) + ")"
+    return str(value)

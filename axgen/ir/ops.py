@@ -1,28 +1,130 @@
-"""The op vocabulary: each op's input slots and its shape rule over named axes.
+"""The op vocabulary. Each op is one registration: its input slots, its typed attrs, its shape rule over named
+axes, its training FLOPs, and the macro file in `templates/ops/` that prints it.
 
 A shape rule takes the input types, the attrs and the params, checks them, and returns the output type. Rules
-raise `ShapeError` with the op and the offending axes, so a pass that builds an ill-typed graph fails at once.
+raise `ShapeError` with the op and the offending axes, so a pass that builds an ill-typed graph fails at once. A
+pass that needs an op of its own registers it from its own file with `register_op`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from axgen.ir.types import Param, TensorType
+from axgen.spec import RopeScaling
 
 
 class ShapeError(ValueError):
     pass
 
 
+# --- attrs: what a node of each op carries; passes and lowering rewrite them with Graph.update -------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Attrs:
+    """What every op may carry. `constrain`: the logical axes the `shard` lowering pins the output's sharding to."""
+
+    constrain: tuple[str, ...] | None = None
+
+    def changed(self) -> dict:
+        """The attrs that differ from their defaults, in field order: what a dump shows."""
+        return {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if f.default is dataclasses.MISSING or getattr(self, f.name) != f.default
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class InputAttrs(Attrs):
+    type: TensorType
+
+
+@dataclass(frozen=True, kw_only=True)
+class NormAttrs(Attrs):
+    eps: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class DotAttrs(Attrs):
+    """A matmul with a weight. `role` names what the projection is (MaxText's names, which remat policies use);
+    `quantize` is the dot's number format (int8, fp8, fp8_delayed; `target` until lowering picks the target's);
+    `checkpoint_name` is set by the remat lowering where a policy saves or recomputes the output by name."""
+
+    role: str | None = None
+    quantize: str | None = None
+    checkpoint_name: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class LmHeadAttrs(DotAttrs):
+    tied: bool = False
+    vocab: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeAttrs(Attrs):
+    theta: float
+    scaling: RopeScaling | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionAttrs(Attrs):
+    """Attention over keys at or before each query (`causal`). `window`: a query sees only the last `window`
+    positions, itself included; `softcap`: scores pass through softcap * tanh(score / softcap) before the
+    softmax. `kernel` and `block` are the lowering's: which implementation runs it, and its block length."""
+
+    causal: bool = True
+    window: int | None = None
+    softcap: float | None = None
+    kernel: str | None = None
+    block: int | None = None
+
+
 @dataclass(frozen=True)
-class OpDef:
-    slots: tuple[str, ...]
-    rule: Callable[[dict[str, TensorType], dict, dict[str, Param]], TensorType]
+class ScanCall:
+    """One block's layers within one step of a scan: `per_step` layers of the function `function`."""
+
+    block: str
+    function: str
+    per_step: int
+    aux: bool
+
+    def __str__(self) -> str:
+        return f"{self.per_step}x{self.function}{'+aux' if self.aux else ''}"
 
 
-def _same_as(slot: str, *others: str):
+@dataclass(frozen=True, kw_only=True)
+class ScanAttrs(Attrs):
+    """Runs `blocks` in turn, `steps` times. The scan lowering says what one step calls: `function` (a block's own
+    function, or a group of several layers), its `calls`, and whether it returns auxiliary losses."""
+
+    blocks: tuple[str, ...]
+    steps: int
+    function: str | None = None
+    calls: tuple[ScanCall, ...] = ()
+    returns_aux: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEAttrs(Attrs):
+    top_k: int
+    capacity_factor: float | None = None
+    activation: str
+    aux: tuple[str, ...] = ()  # auxiliary outputs: losses, and metrics such as the dropped fraction
+    aux_weights: tuple[tuple[str, float], ...] = ()  # loss name -> its weight in the training loss
+
+
+# --- shape rules -------------------------------------------------------------------------------------------------
+
+Rule = Callable[[dict[str, TensorType], Attrs, dict[str, Param]], TensorType]
+
+
+def same_as(slot: str, *others: str) -> Rule:
     def rule(ins, attrs, params):
         for other in others:
             if ins[other] != ins[slot]:
@@ -33,7 +135,7 @@ def _same_as(slot: str, *others: str):
 
 
 def _input(ins, attrs, params):
-    return attrs["type"]
+    return attrs.type
 
 
 def _positions(ins, attrs, params):
@@ -81,17 +183,14 @@ def _attention(ins, attrs, params):
     q, k, v = ins["q"], ins["k"], ins["v"]
     if k != v:
         raise ShapeError(f"k{k} and v{v} differ")
-    if q.axes != ("batch", "seq", "heads", "head_dim") or k.axes != (
-        "batch",
-        "seq",
-        "kv_heads",
-        "head_dim",
-    ):
+    if q.axes != ("batch", "seq", "heads", "head_dim") or k.axes != ("batch", "seq", "kv_heads", "head_dim"):
         raise ShapeError(
             f"expected q[batch, seq, heads, head_dim], k[batch, seq, kv_heads, head_dim]; got q{q}, k{k}"
         )
     if q.size("heads") % k.size("kv_heads") or q.size("head_dim") != k.size("head_dim"):
         raise ShapeError(f"q{q} and k{k} do not group")
+    if attrs.window is not None and attrs.window < 1:
+        raise ShapeError(f"window={attrs.window} must be >= 1")
     return q
 
 
@@ -107,30 +206,96 @@ def _moe(ins, attrs, params):
         raise ShapeError(
             f"experts must map embed -> embed, got w_up{params['w_up'].type}, w_down{params['w_down'].type}"
         )
-    if not 1 <= attrs["top_k"] <= logits.sizes[-1]:
-        raise ShapeError(f"top_k={attrs['top_k']} is not in [1, {logits.sizes[-1]}]")
+    if not 1 <= attrs.top_k <= logits.sizes[-1]:
+        raise ShapeError(f"top_k={attrs.top_k} is not in [1, {logits.sizes[-1]}]")
     return x
 
 
 def _lm_head(ins, attrs, params):
     x = ins["x"]
-    vocab = attrs["vocab"] if attrs.get("tied") else params["w"].type.size("vocab")
+    vocab = attrs.vocab if attrs.tied else params["w"].type.size("vocab")
     return x.drop("embed").concat(TensorType.of(("vocab", vocab)))
 
 
-OPS: dict[str, OpDef] = {
-    "input": OpDef((), _input),
-    "positions": OpDef(("tokens",), _positions),
-    "embed": OpDef(("tokens",), _embed),
-    "rms_norm": OpDef(("x",), _norm),
-    "layer_norm": OpDef(("x",), _norm),
-    "linear": OpDef(("x",), _linear),
-    "rope": OpDef(("x", "positions"), _rope),
-    "attention": OpDef(("q", "k", "v"), _attention),
-    "swiglu": OpDef(("gate", "up"), _same_as("gate", "up")),
-    "gelu": OpDef(("x",), _same_as("x")),
-    "add": OpDef(("x", "y"), _same_as("x", "y")),
-    "scan": OpDef(("x", "positions"), _same_as("x")),
-    "lm_head": OpDef(("x",), _lm_head),
-    "moe": OpDef(("x", "router_logits"), _moe),
-}
+# --- training FLOPs per token: 6 per multiply-add of a weight a token uses (forward + backward) -----------------
+
+Flops = Callable[[dict[str, TensorType], Attrs, dict[str, Param], int], float]
+
+
+def no_flops(ins, attrs, params, seq_len) -> float:
+    return 0
+
+
+def trained_size(params: dict[str, Param]) -> int:
+    return sum(math.prod(p.shape) for p in params.values() if p.trained)
+
+
+def _dot_flops(ins, attrs, params, seq_len) -> float:
+    return 6 * trained_size(params)
+
+
+def _lm_head_flops(ins, attrs, params, seq_len) -> float:
+    if attrs.tied:  # multiplies by the embedding table
+        return 6 * attrs.vocab * ins["x"].size("embed")
+    return _dot_flops(ins, attrs, params, seq_len)
+
+
+def _moe_flops(ins, attrs, params, seq_len) -> float:
+    """A token uses top_k of the experts."""
+    return 6 * trained_size(params) * attrs.top_k / ins["router_logits"].size("expert")
+
+
+def _attention_flops(ins, attrs, params, seq_len) -> float:
+    """As in the PaLM paper's appendix B: 12 * heads * head_dim per key a query sees (scores and values, forward
+    and backward). A causal query sees seq / 2 keys on average; within a window, the mean of min(i + 1, window).
+    """
+    keys = seq_len / 2 if attrs.causal else seq_len
+    if attrs.window is not None and attrs.window < seq_len:
+        keys = attrs.window - attrs.window * (attrs.window - 1) / (2 * seq_len)
+    return 12 * keys * ins["q"].size("heads") * ins["q"].size("head_dim")
+
+
+# --- the registry ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    slots: tuple[str, ...]
+    attrs: type[Attrs]
+    rule: Rule
+    template: str  # templates/ops/<template>.j2 defines a macro named after the op
+    flops: Flops = no_flops
+
+
+OPS: dict[str, OpDef] = {}
+
+
+def register_op(
+    name: str,
+    slots: tuple[str, ...],
+    rule: Rule,
+    template: str,
+    attrs: type[Attrs] = Attrs,
+    flops: Flops = no_flops,
+) -> OpDef:
+    if name in OPS:
+        raise ValueError(f"op {name!r} is registered twice")
+    OPS[name] = OpDef(name, slots, attrs, rule, template, flops)
+    return OPS[name]
+
+
+register_op("input", (), _input, "embed", InputAttrs)
+register_op("positions", ("tokens",), _positions, "embed")
+register_op("embed", ("tokens",), _embed, "embed")
+register_op("rms_norm", ("x",), _norm, "norm", NormAttrs)
+register_op("layer_norm", ("x",), _norm, "norm", NormAttrs)
+register_op("linear", ("x",), _linear, "linear", DotAttrs, _dot_flops)
+register_op("lm_head", ("x",), _lm_head, "linear", LmHeadAttrs, _lm_head_flops)
+register_op("rope", ("x", "positions"), _rope, "rope", RopeAttrs)
+register_op("attention", ("q", "k", "v"), _attention, "attention", AttentionAttrs, _attention_flops)
+register_op("swiglu", ("gate", "up"), same_as("gate", "up"), "mlp")
+register_op("gelu", ("x",), same_as("x"), "mlp")
+register_op("add", ("x", "y"), same_as("x", "y"), "residual")
+register_op("scan", ("x", "positions"), same_as("x"), "scan", ScanAttrs)
+register_op("moe", ("x", "router_logits"), _moe, "moe", MoEAttrs, _moe_flops)

@@ -33,6 +33,17 @@ class TensorType:
 
 
 @dataclass(frozen=True)
+class HFWeight:
+    """Where a param lives in a Hugging Face checkpoint: its tensor `name` (`{layer}` stands for the layer index),
+    which of `chunk=(index, count)` equal parts along the second-to-last axis it is, when HF fuses several, and
+    whether HF keeps its last two axes the other way round (`transpose`: torch's Linear stores [out, in])."""
+
+    name: str
+    transpose: bool = False
+    chunk: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
 class Param:
     """A learned tensor. `key` is its name in the params tree; `axes` are logical, mapped to mesh axes later."""
 
@@ -42,6 +53,7 @@ class Param:
     std: float = 0.02
     decay: bool = True  # whether AdamW's weight decay applies
     trained: bool = True  # False: a statistic the step overwrites with what backward returns for it
+    hf: HFWeight | None = None  # None: not in HF checkpoints (starts from its init)
 
     @property
     def shape(self) -> tuple[int, ...]:

@@ -6,7 +6,7 @@ MLP's own weights with a leading `expert` axis, so the MoE keeps the spec's acti
 
 import dataclasses
 
-from axgen.ir import Graph, Param, TensorType
+from axgen.ir import LAYER, Graph, HFWeight, Param, TensorType
 from axgen.passes.manager import register
 from axgen.spec import MoE
 
@@ -14,19 +14,17 @@ from axgen.spec import MoE
 @register("moe")
 def moe(g: Graph, cfg: MoE) -> None:
     for scan in list(g.nodes(op="scan")):
-        block = scan.attrs["blocks"][-1]
+        block = scan.attrs.blocks[-1]
         if cfg.every > 1:
             block = g.split_block(scan, cfg.every, f"moe_{block}", "moe_decoder_layer").name
         mlp = g.subgraph(block, lambda n: n.label == "mlp" and n.op != "add")
         (h,) = mlp.inputs
         experts = TensorType.of(("expert", cfg.num_experts))
-        router = Param("router", h.type.drop("batch", "seq").concat(experts))
+        router_hf = HFWeight(f"{LAYER}.mlp.gate.weight", transpose=True)
+        router = Param("router", h.type.drop("batch", "seq").concat(experts), hf=router_hf)
         logits = g.add(block, "router", "linear", {"x": h}, {"w": router})
-        weights = {
-            p.key: dataclasses.replace(p, type=experts.concat(p.type))
-            for n in mlp.nodes
-            for p in n.params.values()
-        }
+        mlp_weights = [p for n in mlp.nodes for p in n.params.values()]
+        weights = {p.key: _expert(p, experts, len(mlp_weights) == 3) for p in mlp_weights}
         losses = {
             "load_balance_loss": cfg.aux_loss_weight,
             "router_z_loss": cfg.router_z_loss_weight,
@@ -42,6 +40,16 @@ def moe(g: Graph, cfg: MoE) -> None:
             capacity_factor=cfg.capacity_factor,
             activation=next(n.op for n in mlp.nodes if n.op in ("swiglu", "gelu")),
             aux=aux,
-            aux_weights=losses,
+            aux_weights=tuple(losses.items()),
         )
         g.replace(mlp, out)
+
+
+def _expert(weight: Param, experts: TensorType, gated: bool) -> Param:
+    """An MLP weight with a leading expert axis, named as HF Mixtral fuses them: [gate; up] in one tensor."""
+    if weight.key == "w_down":
+        hf = HFWeight(f"{LAYER}.mlp.experts.down_proj", transpose=True)
+    else:
+        part = (int(weight.key == "w_up"), 2) if gated else None
+        hf = HFWeight(f"{LAYER}.mlp.experts.{'gate_up' if gated else 'up'}_proj", transpose=True, chunk=part)
+    return dataclasses.replace(weight, type=experts.concat(weight.type), hf=hf)

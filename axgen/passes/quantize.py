@@ -32,12 +32,12 @@ def quantize(g: Graph, cfg: Quantize) -> None:
     if not chosen:
         names = ", ".join(str(n) for n in dots)
         raise PassError(f"{cfg.origin}: {cfg.summary()} selects none of the projections: {names}")
-    if cfg.scaling == "delayed" and cfg.dtype != "fp8":
-        raise PassError(f"{cfg.origin}: {cfg.summary()}: delayed scaling applies to fp8 only")
+    # Delayed scaling is fp8's; `target` leaves the dtype to the target's lowering.
+    dtype = "fp8_delayed" if cfg.scaling == "delayed" else cfg.dtype or "target"
     history = TensorType.of(("amax_history", cfg.amax_history), ("fp8_operand", 3))  # x, w, gradient
     for node in chosen:
         if cfg.scaling == "delayed":
             amax = Param(f"{node.name}_amax_history", history, "zeros", decay=False, trained=False)
-            g.update(node, {"amax_history": amax}, quantize="fp8_delayed")
+            g.update(node, {"amax_history": amax}, quantize=dtype)
         else:
-            g.update(node, quantize=cfg.dtype)
+            g.update(node, quantize=dtype)

@@ -2,6 +2,7 @@
 # Regenerate: axgen build specs/llama_tiny.py --target cpu-8
 # Mesh: data=2 fsdp=2 expert=1 model=2 on 8 x host CPU core (rule 'cpu-8' at backends/cpu.py:25: every mesh axis at size 2, so CPU runs exercise the sharding that accelerator targets use)
 # Passes: rope(theta=10000.0)
+# Lowering: attention xla (backends/cpu.py)
 """llama-tiny training program for cpu-8.
 
 Run `python cpu_8.py --data TOKENS --ckpt-dir DIR` to train; import it to call `forward(params, tokens)`.

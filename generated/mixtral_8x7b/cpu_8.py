@@ -2,6 +2,7 @@
 # Regenerate: axgen build specs/mixtral_8x7b.py --target cpu-8
 # Mesh: data=2 fsdp=2 expert=1 model=2 on 8 x host CPU core (rule 'cpu-8' at backends/cpu.py:25: every mesh axis at size 2, so CPU runs exercise the sharding that accelerator targets use)
 # Passes: moe(num_experts=8, top_k=2, every=1, aux_loss_weight=0.02, router_z_loss_weight=0.001) · rope(theta=1000000.0)
+# Lowering: attention xla (backends/cpu.py)
 """mixtral-8x7b training program for cpu-8.
 
 Run `python cpu_8.py --data TOKENS --ckpt-dir DIR` to train; import it to call `forward(params, tokens)`.

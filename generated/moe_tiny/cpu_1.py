@@ -2,6 +2,7 @@
 # Regenerate: axgen build specs/moe_tiny.py --target cpu-1
 # Mesh: data=1 fsdp=1 expert=1 model=1 on 1 x host CPU core (rule 'cpu-1' at backends/cpu.py:32: one device: the unsharded reference run)
 # Passes: moe(num_experts=4, top_k=2, every=2, aux_loss_weight=0.01, router_z_loss_weight=0.001) · rope(theta=10000.0)
+# Lowering: attention xla (backends/cpu.py)
 """moe-tiny training program for cpu-1.
 
 Run `python cpu_1.py --data TOKENS --ckpt-dir DIR` to train; import it to call `forward(params, tokens)`.
