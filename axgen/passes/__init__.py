@@ -1,6 +1,12 @@
-"""Feature passes. Each file registers one pass; importing this package registers them all."""
+"""Feature passes. Each file registers one pass; importing this package imports every file, so a new pass is
+registered by adding its file."""
 
-from axgen.passes import moe, quantize, remat, rope  # noqa: F401  (each registers its pass)
+import importlib
+import pkgutil
+
 from axgen.passes.manager import PassError, register, run_passes
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["PassError", "register", "run_passes"]
