@@ -27,6 +27,7 @@ __all__ = [
     "MoE",
     "Model",
     "Origin",
+    "QKVBias",
     "Quantize",
     "RMSNorm",
     "Remat",
@@ -466,6 +467,13 @@ class Quantize(Feature):
         return () if self.scaling == "delayed" else ("scaling", "amax_history")
 
 
+@dataclass(frozen=True, kw_only=True)
+class QKVBias(Feature):
+    """Learned biases on the query, key and value projections, as Qwen2 has; the output projection keeps none."""
+
+    pass_name: typing.ClassVar[str] = "qkv_bias"
+
+
 class features:  # noqa: N801 - a namespace, used as `features as F` in spec files
     """Feature constructors for `Model.features`: `F.rope(theta=5e5, scaling=F.rope_scaling(factor=8.0))`."""
 
@@ -474,6 +482,7 @@ class features:  # noqa: N801 - a namespace, used as `features as F` in spec fil
     moe = MoE
     remat = Remat
     quantize = Quantize
+    qkv_bias = QKVBias
 
 
 # --- targets -----------------------------------------------------------------------------------------------------
