@@ -27,6 +27,7 @@ __all__ = [
     "MoE",
     "Model",
     "Origin",
+    "QKNorm",
     "QKVBias",
     "Quantize",
     "RMSNorm",
@@ -474,6 +475,18 @@ class QKVBias(Feature):
     pass_name: typing.ClassVar[str] = "qkv_bias"
 
 
+@dataclass(frozen=True, kw_only=True)
+class QKNorm(Feature):
+    """RMSNorm over each head of the queries and keys, before RoPE, each with its own learned scale (Qwen3,
+    Gemma 3). `eps` has no default: a checkpoint's value is its config's `rms_norm_eps`."""
+
+    pass_name: typing.ClassVar[str] = "qk_norm"
+    eps: float
+
+    def validate(self) -> None:
+        self.require_positive("eps")
+
+
 class features:  # noqa: N801 - a namespace, used as `features as F` in spec files
     """Feature constructors for `Model.features`: `F.rope(theta=5e5, scaling=F.rope_scaling(factor=8.0))`."""
 
@@ -483,6 +496,7 @@ class features:  # noqa: N801 - a namespace, used as `features as F` in spec fil
     remat = Remat
     quantize = Quantize
     qkv_bias = QKVBias
+    qk_norm = QKNorm
 
 
 # --- targets -----------------------------------------------------------------------------------------------------
