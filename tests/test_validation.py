@@ -94,6 +94,7 @@ BAD_SPECS = [
         14,
         "MoE needs 'aux_loss_weight', 'router_z_loss_weight' (they have no default)",
     ),
+    ("qk_norm_eps", "F.rope(theta=10_000.0)", "F.qk_norm()", 14, "QKNorm needs 'eps' (they have no default)"),
     (
         "remat_policy",
         "F.rope(theta=10_000.0)",
