@@ -325,6 +325,9 @@ class Feature(SpecNode):
 
     pass_name: typing.ClassVar[str]
 
+    def check_model(self, model: Model) -> None:
+        """Checks of the feature against the model it is part of; subclasses extend it."""
+
     def requires(self) -> tuple[str, ...]:
         """Chip capabilities the feature needs (`host_offload`, `int8`, `fp8`); a target without one is an error."""
         return ()
@@ -375,6 +378,10 @@ class RoPE(Feature):
     def validate(self) -> None:
         self.require_positive("theta")
 
+    def check_model(self, model: Model) -> None:
+        if model.decoder.attention.head_dim % 2:
+            model.decoder.attention.fail("head_dim", "must be even for rope (it rotates pairs of channels)")
+
 
 @dataclass(frozen=True, kw_only=True)
 class MoE(Feature):
@@ -405,6 +412,10 @@ class MoE(Feature):
         for name in ("aux_loss_weight", "router_z_loss_weight"):
             if getattr(self, name) < 0:
                 self.fail(name, "must be >= 0")
+
+    def check_model(self, model: Model) -> None:
+        if model.decoder.num_layers % self.every:
+            self.fail("every", f"does not divide Decoder.num_layers={model.decoder.num_layers}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -588,11 +599,7 @@ class Model(SpecNode):
                     f"(first at {seen[feature.pass_name].origin})"
                 )
             seen[feature.pass_name] = feature
-        attention = self.decoder.attention
-        if "rope" in seen and attention.head_dim % 2:
-            attention.fail("head_dim", "must be even for rope (it rotates pairs of channels)")
-        if "moe" in seen and self.decoder.num_layers % seen["moe"].every:
-            seen["moe"].fail("every", f"does not divide Decoder.num_layers={self.decoder.num_layers}")
+            feature.check_model(self)
 
     def feature(self, pass_name: str) -> Feature | None:
         return next((f for f in self.features if f.pass_name == pass_name), None)
