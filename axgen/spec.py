@@ -30,6 +30,7 @@ __all__ = [
     "QKNorm",
     "QKVBias",
     "Quantize",
+    "SlidingWindow",
     "RMSNorm",
     "Remat",
     "RoPE",
@@ -498,6 +499,26 @@ class QKNorm(Feature):
         self.require_positive("eps")
 
 
+@dataclass(frozen=True, kw_only=True)
+class SlidingWindow(Feature):
+    """Each query attends to the last `window` positions, itself included (Mistral 7B v0.1: 4096; HF's
+    `sliding_window`). With `global_every=k`, the last layer of each group of k keeps full attention: Gemma 2
+    alternates local and global layers with k=2."""
+
+    pass_name: typing.ClassVar[str] = "sliding_window"
+    window: int
+    global_every: int | None = None
+
+    def validate(self) -> None:
+        self.require_positive("window")
+        if self.global_every is not None and self.global_every < 2:
+            self.fail("global_every", "must be >= 2 (or None: every layer local)")
+
+    def check_model(self, model: Model) -> None:
+        if self.global_every and model.decoder.num_layers % self.global_every:
+            self.fail("global_every", f"does not divide Decoder.num_layers={model.decoder.num_layers}")
+
+
 class features:  # noqa: N801 - a namespace, used as `features as F` in spec files
     """Feature constructors for `Model.features`: `F.rope(theta=5e5, scaling=F.rope_scaling(factor=8.0))`."""
 
@@ -508,6 +529,7 @@ class features:  # noqa: N801 - a namespace, used as `features as F` in spec fil
     quantize = Quantize
     qkv_bias = QKVBias
     qk_norm = QKNorm
+    sliding_window = SlidingWindow
 
 
 # --- targets -----------------------------------------------------------------------------------------------------

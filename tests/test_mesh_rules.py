@@ -180,8 +180,18 @@ def test_a_batch_that_does_not_split_into_the_microbatches_is_refused(tmp_path, 
     assert "--batch 6 does not split into GRAD_ACCUM_STEPS=4 microbatches" in capsys.readouterr().err
 
 
-def test_splash_kernel_equals_xla_attention_when_sharded():
+@pytest.mark.parametrize("window", [None, 64])
+def test_splash_kernel_equals_xla_attention_when_sharded(window, tmp_path):
     program = load_program(ROOT / "generated/llama_tiny/tpu_v5e_8.py")
+    options = {}
+    if window is not None:  # sliding window: the kernel takes a local mask
+        spec = tmp_path / "windowed.py"
+        spec.write_text(
+            "from specs.llama_tiny import spec as tiny\nfrom axgen.spec import features as F\n"
+            f"spec = tiny.replace(features=[*tiny.features, F.sliding_window(window={window})])\n"
+        )
+        write_atomically(tmp_path / "windowed_tpu.py", build(spec, "tpu-v5e-8").source)
+        program, options = load_program(tmp_path / "windowed_tpu.py"), {"window": window}
     q, k, v = (
         jax.random.normal(key, shape)
         for key, shape in zip(
@@ -194,10 +204,11 @@ def test_splash_kernel_equals_xla_attention_when_sharded():
     def loss(attention, q, k, v):
         return (attention(q, k, v) ** 2).sum()
 
-    xla = functools.partial(jax.nn.dot_product_attention, is_causal=True)
+    local_window_size = None if window is None else (window - 1, 0)
+    xla = functools.partial(jax.nn.dot_product_attention, is_causal=True, local_window_size=local_window_size)
     expected = xla(q, k, v)
     expected_grads = jax.grad(functools.partial(loss, xla), argnums=(0, 1, 2))(q, k, v)
-    splash = functools.partial(program.causal_attention, interpret=True)
+    splash = functools.partial(program.causal_attention, interpret=True, **options)
     mesh = jax.make_mesh(
         (1, 4, 1, 2), ("data", "fsdp", "expert", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 4
     )

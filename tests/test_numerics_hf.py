@@ -50,7 +50,7 @@ def test_converter_reads_safetensors_files(tmp_path):
 
 
 # One tiny model per family that adds a feature to Llama; each fixture's spec is tests/fixtures/<name>_spec.py.
-ARCHITECTURES = ["hf_qwen2", "hf_qwen3"]
+ARCHITECTURES = ["hf_qwen2", "hf_qwen3", "hf_mistral_window"]
 
 
 @pytest.mark.parametrize("name", ARCHITECTURES)
@@ -75,3 +75,16 @@ def test_forward_matches_each_family_in_hf(name, tmp_path):
     # Every HF tensor was used: none of the family's weights is silently left out.
     used = sum(np.asarray(leaf).size for leaf in jax.tree.leaves(params))
     assert used == sum(state_dict[k].size for k in state_dict)
+
+
+def test_sliding_window_every_other_layer_keeps_full_attention(tmp_path):
+    spec = tmp_path / "alternating.py"
+    spec.write_text(
+        "from specs.llama_tiny import spec as tiny\nfrom axgen.spec import features as F\n"
+        "spec = tiny.replace(features=[*tiny.features, F.sliding_window(window=16, global_every=2)])\n"
+    )
+    built = build(spec, "cpu-1")
+    windows = {n.region: n.attrs.window for n in built.graph.nodes(op="attention")}
+    assert windows == {"layers": 16, "global_layers": None}
+    assert [b.repeat for b in built.graph.blocks()] == [2, 2]
+    assert "local_window_size=(15, 0)" in built.source and "def global_decoder_layer(" in built.source
