@@ -31,6 +31,15 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 
+# What each attention kernel implements beyond causal attention: an attention node that needs more than its
+# target's kernel does (an attr set, not None) is lowered to XLA's path, which implements everything.
+KERNEL_OPTIONS: dict[str, frozenset[str]] = {
+    "xla": frozenset({"window", "softcap"}),
+    "splash": frozenset({"window", "softcap"}),  # Pallas local masks and attn_logits_soft_cap
+    "cudnn": frozenset({"window"}),  # cuDNN fused attention has a sliding window and no soft-cap
+}
+
+
 @dataclass(frozen=True)
 class Chip:
     name: str

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from axgen.backends.common import Plan
+from axgen.backends.common import KERNEL_OPTIONS, Plan
 from axgen.ir import Graph, GraphError, Node, ScanCall
 from axgen.spec import REMAT_POLICIES
 
@@ -36,8 +36,11 @@ def shard(g: Graph, plan: Plan) -> None:
 
 
 def attention_kernel(g: Graph, plan: Plan) -> None:
+    """The target's kernel, or XLA's path for an attention that needs what the kernel lacks."""
     for node in g.nodes(op="attention"):
-        g.update(node, kernel=plan.attention, block=plan.attention_block)
+        needs = {name for name in KERNEL_OPTIONS["xla"] if getattr(node.attrs, name) is not None}
+        kernel = plan.attention if needs <= KERNEL_OPTIONS[plan.attention] else "xla"
+        g.update(node, kernel=kernel, block=plan.attention_block if kernel == "splash" else None)
 
 
 def dot_kind(g: Graph, plan: Plan) -> None:
