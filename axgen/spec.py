@@ -31,6 +31,7 @@ __all__ = [
     "QKVBias",
     "Quantize",
     "SlidingWindow",
+    "SoftCap",
     "RMSNorm",
     "Remat",
     "RoPE",
@@ -519,6 +520,24 @@ class SlidingWindow(Feature):
             self.fail("global_every", f"does not divide Decoder.num_layers={model.decoder.num_layers}")
 
 
+@dataclass(frozen=True, kw_only=True)
+class SoftCap(Feature):
+    """Soft-capping, as in Gemma 2 (HF's `attn_logit_softcapping`, `final_logit_softcapping`): attention scores
+    become attention * tanh(score / attention) before the softmax, the output logits final * tanh(logit / final).
+    Either may be None."""
+
+    pass_name: typing.ClassVar[str] = "softcap"
+    attention: float | None = None
+    final: float | None = None
+
+    def validate(self) -> None:
+        if self.attention is None and self.final is None:
+            self.fail("attention", "and SoftCap.final are both None: cap at least one of them")
+        for name in ("attention", "final"):
+            if getattr(self, name) is not None:
+                self.require_positive(name)
+
+
 class features:  # noqa: N801 - a namespace, used as `features as F` in spec files
     """Feature constructors for `Model.features`: `F.rope(theta=5e5, scaling=F.rope_scaling(factor=8.0))`."""
 
@@ -530,6 +549,7 @@ class features:  # noqa: N801 - a namespace, used as `features as F` in spec fil
     qkv_bias = QKVBias
     qk_norm = QKNorm
     sliding_window = SlidingWindow
+    softcap = SoftCap
 
 
 # --- targets -----------------------------------------------------------------------------------------------------

@@ -180,18 +180,30 @@ def test_a_batch_that_does_not_split_into_the_microbatches_is_refused(tmp_path, 
     assert "--batch 6 does not split into GRAD_ACCUM_STEPS=4 microbatches" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("window", [None, 64])
-def test_splash_kernel_equals_xla_attention_when_sharded(window, tmp_path):
-    program = load_program(ROOT / "generated/llama_tiny/tpu_v5e_8.py")
-    options = {}
-    if window is not None:  # sliding window: the kernel takes a local mask
-        spec = tmp_path / "windowed.py"
-        spec.write_text(
-            "from specs.llama_tiny import spec as tiny\nfrom axgen.spec import features as F\n"
-            f"spec = tiny.replace(features=[*tiny.features, F.sliding_window(window={window})])\n"
-        )
-        write_atomically(tmp_path / "windowed_tpu.py", build(spec, "tpu-v5e-8").source)
-        program, options = load_program(tmp_path / "windowed_tpu.py"), {"window": window}
+def tiny_program_with(tmp_path, features: str, target: str):
+    """llama_tiny with more features, built for `target` and imported."""
+    spec = tmp_path / "variant.py"
+    spec.write_text(
+        "from specs.llama_tiny import spec as tiny\nfrom axgen.spec import features as F\n"
+        f"spec = tiny.replace(features=[*tiny.features, {features}])\n"
+    )
+    program = tmp_path / f"variant_{target.replace('-', '_')}.py"
+    write_atomically(program, build(spec, target).source)
+    return load_program(program)
+
+
+@pytest.mark.parametrize(("window", "softcap"), [(None, None), (64, None), (None, 2.0), (64, 2.0)])
+def test_splash_kernel_equals_xla_attention_when_sharded(window, softcap, tmp_path):
+    """Splash in interpret mode against XLA: causal, with a sliding window (a local mask), with soft-capped scores
+    (the kernel's own cap against the XLA helper the program uses where a kernel has none)."""
+    options = {k: v for k, v in {"window": window, "softcap": softcap}.items() if v is not None}
+    features = [f"F.sliding_window(window={window})"] * bool(window) + [
+        f"F.softcap(attention={softcap})"
+    ] * bool(softcap)
+    if features:
+        program = tiny_program_with(tmp_path, ", ".join(features), "tpu-v5e-8")
+    else:
+        program = load_program(ROOT / "generated/llama_tiny/tpu_v5e_8.py")
     q, k, v = (
         jax.random.normal(key, shape)
         for key, shape in zip(
@@ -206,6 +218,8 @@ def test_splash_kernel_equals_xla_attention_when_sharded(window, tmp_path):
 
     local_window_size = None if window is None else (window - 1, 0)
     xla = functools.partial(jax.nn.dot_product_attention, is_causal=True, local_window_size=local_window_size)
+    if softcap is not None:
+        xla = functools.partial(program.softcapped_attention, softcap=softcap, window=window)
     expected = xla(q, k, v)
     expected_grads = jax.grad(functools.partial(loss, xla), argnums=(0, 1, 2))(q, k, v)
     splash = functools.partial(program.causal_attention, interpret=True, **options)
@@ -218,3 +232,32 @@ def test_splash_kernel_equals_xla_attention_when_sharded(window, tmp_path):
     np.testing.assert_allclose(out, expected, atol=1e-5)
     for grad, expected_grad in zip(grads, expected_grads):
         np.testing.assert_allclose(grad, expected_grad, atol=1e-4 * float(jnp.abs(expected_grad).max()))
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_softcapped_attention_is_attention_when_the_cap_is_far(window, tmp_path):
+    """XLA's soft-capped attention (GQA, causal, windowed) with a cap far above every score is plain attention."""
+    program = tiny_program_with(tmp_path, "F.softcap(attention=1e4)", "cpu-1")
+    q, k, v = (
+        jax.random.normal(key, s)
+        for key, s in zip(
+            jax.random.split(jax.random.key(2), 3), [(2, 64, 4, 8), (2, 64, 2, 8), (2, 64, 2, 8)]
+        )
+    )
+    local_window_size = None if window is None else (window - 1, 0)
+    expected = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local_window_size)
+    got = program.softcapped_attention(q, k, v, softcap=1e4, window=window)
+    np.testing.assert_allclose(got, expected, atol=1e-5)
+    capped = program.softcapped_attention(q * 30, k, v, softcap=1.0, window=window)
+    assert not np.allclose(capped, jax.nn.dot_product_attention(q * 30, k, v, is_causal=True), atol=1e-2)
+
+
+def test_final_softcap_caps_the_logits_the_loss_sees(tmp_path):
+    capped = tiny_program_with(tmp_path, "F.softcap(final=0.5)", "cpu-1")
+    plain = load_program(ROOT / "generated/llama_tiny/cpu_1.py")
+    params = plain.init_params(jax.random.key(0))
+    params["lm_head"] = params["lm_head"] * 50  # logits far beyond the cap
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
+    logits = plain.forward(params, tokens)
+    np.testing.assert_allclose(capped.forward(params, tokens), 0.5 * jnp.tanh(logits / 0.5), atol=1e-6)
+    assert float(jnp.abs(capped.forward(params, tokens)).max()) <= 0.5 < float(jnp.abs(logits).max())
