@@ -86,6 +86,7 @@ def _hf_tensor(state_dict, param: Param, layer: int | None) -> np.ndarray:
         tensor = np.split(tensor, count, axis=-2)[index]
     if param.hf.transpose:
         tensor = np.swapaxes(tensor, -1, -2)
+    tensor = tensor + np.float32(param.hf.offset) if param.hf.offset else tensor
     if tensor.size != math.prod(param.shape):
         raise ValueError(
             f"tensor {name!r} has shape {list(tensor.shape)}; param {param.key} needs {list(param.shape)}"
