@@ -21,6 +21,7 @@ __all__ = [
     "Attention",
     "Decoder",
     "Feature",
+    "GemmaBlock",
     "LayerNorm",
     "MLP",
     "MeshRule",
@@ -538,6 +539,22 @@ class SoftCap(Feature):
                 self.require_positive(name)
 
 
+@dataclass(frozen=True, kw_only=True)
+class GemmaBlock(Feature):
+    """Gemma's decoder layer on a Llama: the gated MLP's gate goes through tanh-approximate GELU (GeGLU), the
+    embeddings are scaled by sqrt(d_model), every RMSNorm scales by 1 + w, and norms sit around both sub-layers
+    (after attention and after the MLP, before each joins the residual stream). The decoder's MLP must be gated.
+    """
+
+    pass_name: typing.ClassVar[str] = "gemma_block"
+
+    def check_model(self, model: Model) -> None:
+        if model.decoder.mlp.activation != "swiglu":
+            model.decoder.mlp.fail("activation", "must be swiglu for gemma_block, whose gate GeGLU replaces")
+        if not isinstance(model.decoder.norm, RMSNorm):
+            self.fail("pass_name", "needs Decoder.norm to be an RMSNorm")
+
+
 class features:  # noqa: N801 - a namespace, used as `features as F` in spec files
     """Feature constructors for `Model.features`: `F.rope(theta=5e5, scaling=F.rope_scaling(factor=8.0))`."""
 
@@ -550,6 +567,7 @@ class features:  # noqa: N801 - a namespace, used as `features as F` in spec fil
     qk_norm = QKNorm
     sliding_window = SlidingWindow
     softcap = SoftCap
+    gemma_block = GemmaBlock
 
 
 # --- targets -----------------------------------------------------------------------------------------------------
