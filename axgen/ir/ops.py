@@ -14,7 +14,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from axgen.ir.types import Param, TensorType
-from axgen.spec import RopeScaling
 
 
 class ShapeError(ValueError):
@@ -67,12 +66,6 @@ class LmHeadAttrs(DotAttrs):
 
 
 @dataclass(frozen=True, kw_only=True)
-class RopeAttrs(Attrs):
-    theta: float
-    scaling: RopeScaling | None = None
-
-
-@dataclass(frozen=True, kw_only=True)
 class AttentionAttrs(Attrs):
     """Attention over keys at or before each query (`causal`). `window`: a query sees only the last `window`
     positions, itself included; `softcap`: scores pass through softcap * tanh(score / softcap) before the
@@ -108,15 +101,6 @@ class ScanAttrs(Attrs):
     function: str | None = None
     calls: tuple[ScanCall, ...] = ()
     returns_aux: bool = False
-
-
-@dataclass(frozen=True, kw_only=True)
-class MoEAttrs(Attrs):
-    top_k: int
-    capacity_factor: float | None = None
-    activation: str
-    aux: tuple[str, ...] = ()  # auxiliary outputs: losses, and metrics such as the dropped fraction
-    aux_weights: tuple[tuple[str, float], ...] = ()  # loss name -> its weight in the training loss
 
 
 # --- shape rules -------------------------------------------------------------------------------------------------
@@ -168,17 +152,6 @@ def _linear(ins, attrs, params):
     return x.drop(*contracted).concat(w.drop(*contracted))
 
 
-def _rope(ins, attrs, params):
-    x = ins["x"]
-    if x.axes[-1] != "head_dim" or x.sizes[-1] % 2:
-        raise ShapeError(f"rope needs an even trailing head_dim axis, got x{x}")
-    if "seq" not in x.axes:
-        raise ShapeError(f"rope needs a seq axis, got x{x}")
-    if ins["positions"].axes != ("seq",):
-        raise ShapeError(f"rope needs positions [seq], got {ins['positions']}")
-    return x
-
-
 def _attention(ins, attrs, params):
     q, k, v = ins["q"], ins["k"], ins["v"]
     if k != v:
@@ -192,23 +165,6 @@ def _attention(ins, attrs, params):
     if attrs.window is not None and attrs.window < 1:
         raise ShapeError(f"window={attrs.window} must be >= 1")
     return q
-
-
-def _moe(ins, attrs, params):
-    """x [batch, seq, embed] routed by router_logits [batch, seq, expert] through experts that map embed -> embed."""
-    x, logits = ins["x"], ins["router_logits"]
-    if logits.drop("expert") != x.drop("embed") or logits.axes[-1] != "expert":
-        raise ShapeError(f"router_logits{logits} do not route x{x}")
-    for role, param in params.items():
-        if param.type.axes[0] != "expert" or param.type.sizes[0] != logits.sizes[-1]:
-            raise ShapeError(f"expert weight {role}{param.type} does not lead with expert={logits.sizes[-1]}")
-    if params["w_down"].type.axes[-1] != "embed" or params["w_up"].type.axes[1] != "embed":
-        raise ShapeError(
-            f"experts must map embed -> embed, got w_up{params['w_up'].type}, w_down{params['w_down'].type}"
-        )
-    if not 1 <= attrs.top_k <= logits.sizes[-1]:
-        raise ShapeError(f"top_k={attrs.top_k} is not in [1, {logits.sizes[-1]}]")
-    return x
 
 
 def _lm_head(ins, attrs, params):
@@ -238,11 +194,6 @@ def _lm_head_flops(ins, attrs, params, seq_len) -> float:
     if attrs.tied:  # multiplies by the embedding table
         return 6 * attrs.vocab * ins["x"].size("embed")
     return _dot_flops(ins, attrs, params, seq_len)
-
-
-def _moe_flops(ins, attrs, params, seq_len) -> float:
-    """A token uses top_k of the experts."""
-    return 6 * trained_size(params) * attrs.top_k / ins["router_logits"].size("expert")
 
 
 def _attention_flops(ins, attrs, params, seq_len) -> float:
@@ -292,10 +243,8 @@ register_op("rms_norm", ("x",), _norm, "norm", NormAttrs)
 register_op("layer_norm", ("x",), _norm, "norm", NormAttrs)
 register_op("linear", ("x",), _linear, "linear", DotAttrs, _dot_flops)
 register_op("lm_head", ("x",), _lm_head, "linear", LmHeadAttrs, _lm_head_flops)
-register_op("rope", ("x", "positions"), _rope, "rope", RopeAttrs)
 register_op("attention", ("q", "k", "v"), _attention, "attention", AttentionAttrs, _attention_flops)
 register_op("swiglu", ("gate", "up"), same_as("gate", "up"), "mlp")
 register_op("gelu", ("x",), same_as("x"), "mlp")
 register_op("add", ("x", "y"), same_as("x", "y"), "residual")
 register_op("scan", ("x", "positions"), same_as("x"), "scan", ScanAttrs)
-register_op("moe", ("x", "router_logits"), _moe, "moe", MoEAttrs, _moe_flops)

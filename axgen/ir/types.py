@@ -37,7 +37,8 @@ class HFWeight:
     """Where a param lives in a Hugging Face checkpoint: its tensor `name` (`{layer}` stands for the layer index),
     which of `chunk=(index, count)` equal parts along the second-to-last axis it is, when HF fuses several,
     whether HF keeps its last two axes the other way round (`transpose`: torch's Linear stores [out, in]), and
-    the `offset` HF's value is stored less by (Gemma's norms keep w and scale by 1 + w: the param is 1 + w)."""
+    the `offset` HF's value is stored less by (Gemma's norms keep w and scale by 1 + w: the param is 1 + w).
+    """
 
     name: str
     transpose: bool = False

@@ -6,9 +6,44 @@ MLP's own weights with a leading `expert` axis, so the MoE keeps the spec's acti
 
 import dataclasses
 
-from axgen.ir import LAYER, Graph, HFWeight, Param, TensorType
+from axgen.ir import LAYER, Attrs, Graph, HFWeight, Param, ShapeError, TensorType, register_op
+from axgen.ir.ops import trained_size
 from axgen.passes.manager import register
 from axgen.spec import MoE
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoEAttrs(Attrs):
+    top_k: int
+    capacity_factor: float | None = None
+    activation: str
+    aux: tuple[str, ...] = ()  # auxiliary outputs: losses, and metrics such as the dropped fraction
+    aux_weights: tuple[tuple[str, float], ...] = ()  # loss name -> its weight in the training loss
+
+
+def _moe(ins, attrs, params):
+    """x [batch, seq, embed] routed by router_logits [batch, seq, expert] through experts that map embed -> embed."""
+    x, logits = ins["x"], ins["router_logits"]
+    if logits.drop("expert") != x.drop("embed") or logits.axes[-1] != "expert":
+        raise ShapeError(f"router_logits{logits} do not route x{x}")
+    for role, param in params.items():
+        if param.type.axes[0] != "expert" or param.type.sizes[0] != logits.sizes[-1]:
+            raise ShapeError(f"expert weight {role}{param.type} does not lead with expert={logits.sizes[-1]}")
+    if params["w_down"].type.axes[-1] != "embed" or params["w_up"].type.axes[1] != "embed":
+        raise ShapeError(
+            f"experts must map embed -> embed, got w_up{params['w_up'].type}, w_down{params['w_down'].type}"
+        )
+    if not 1 <= attrs.top_k <= logits.sizes[-1]:
+        raise ShapeError(f"top_k={attrs.top_k} is not in [1, {logits.sizes[-1]}]")
+    return x
+
+
+def _moe_flops(ins, attrs, params, seq_len) -> float:
+    """A token uses top_k of the experts."""
+    return 6 * trained_size(params) * attrs.top_k / ins["router_logits"].size("expert")
+
+
+register_op("moe", ("x", "router_logits"), _moe, "moe", MoEAttrs, _moe_flops)
 
 
 @register("moe")

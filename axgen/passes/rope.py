@@ -1,8 +1,30 @@
 """Rotary position embeddings: every attention node gets `rope` on its query and key inputs."""
 
-from axgen.ir import Graph, Op
+from dataclasses import dataclass
+
+from axgen.ir import Attrs, Graph, Op, ShapeError, register_op
 from axgen.passes.manager import register
-from axgen.spec import RoPE
+from axgen.spec import RoPE, RopeScaling
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeAttrs(Attrs):
+    theta: float
+    scaling: RopeScaling | None = None
+
+
+def _rope(ins, attrs, params):
+    x = ins["x"]
+    if x.axes[-1] != "head_dim" or x.sizes[-1] % 2:
+        raise ShapeError(f"rope needs an even trailing head_dim axis, got x{x}")
+    if "seq" not in x.axes:
+        raise ShapeError(f"rope needs a seq axis, got x{x}")
+    if ins["positions"].axes != ("seq",):
+        raise ShapeError(f"rope needs positions [seq], got {ins['positions']}")
+    return x
+
+
+register_op("rope", ("x", "positions"), _rope, "rope", RopeAttrs)
 
 
 @register("rope")
