@@ -390,10 +390,14 @@ class RoPE(Feature):
 class MoE(Feature):
     """Mixture of experts in place of the MLP of every `every`-th layer (the last of each group of `every`).
 
-    Routing as in Mixtral: softmax over experts, top-k, the k weights renormalised. Dropless when
-    `capacity_factor` is None; otherwise each expert takes `top_k * seq * capacity_factor / num_experts` tokens
-    of a sequence and drops the rest. The training loss adds `aux_loss_weight` times the Switch Transformer
-    load-balancing loss and `router_z_loss_weight` times the ST-MoE router z-loss.
+    Routing as in Mixtral: softmax over experts, top-k, the k weights renormalised (`renormalize=False` keeps the
+    k probabilities as they are, as Qwen1.5-MoE's `norm_topk_prob=False`). Dropless when `capacity_factor` is
+    None; otherwise each expert takes `top_k * seq * capacity_factor / num_experts` tokens of a sequence and drops
+    the rest. The training loss adds `aux_loss_weight` times the Switch Transformer load-balancing loss and
+    `router_z_loss_weight` times the ST-MoE router z-loss. The experts' width is `Decoder.mlp.hidden_dim`.
+
+    `shared_hidden_dim` adds a shared expert that every token takes: the decoder's MLP at that width, added to
+    the routed experts' output (DeepSeek-MoE), scaled by sigmoid(x . w) when `shared_gate` (Qwen2-MoE).
     """
 
     pass_name: typing.ClassVar[str] = "moe"
@@ -403,9 +407,16 @@ class MoE(Feature):
     every: int = 1
     aux_loss_weight: float
     router_z_loss_weight: float
+    renormalize: bool = True
+    shared_hidden_dim: int | None = None
+    shared_gate: bool = False
 
     def validate(self) -> None:
         self.require_positive("top_k", "every")
+        if self.shared_hidden_dim is not None:
+            self.require_positive("shared_hidden_dim")
+        elif self.shared_gate:
+            self.fail("shared_gate", "needs a shared expert: set shared_hidden_dim")
         if self.num_experts < 2:
             self.fail("num_experts", "must be >= 2")
         if self.top_k > self.num_experts:
@@ -415,6 +426,9 @@ class MoE(Feature):
         for name in ("aux_loss_weight", "router_z_loss_weight"):
             if getattr(self, name) < 0:
                 self.fail(name, "must be >= 0")
+
+    def unremarkable(self) -> tuple[str, ...]:
+        return ("renormalize",) if self.renormalize else ()
 
     def check_model(self, model: Model) -> None:
         if model.decoder.num_layers % self.every:

@@ -6,7 +6,7 @@ MLP's own weights with a leading `expert` axis, so the MoE keeps the spec's acti
 
 import dataclasses
 
-from axgen.ir import LAYER, Attrs, Graph, HFWeight, Param, ShapeError, TensorType, register_op
+from axgen.ir import LAYER, Attrs, Graph, HFWeight, Node, Param, ShapeError, TensorType, register_op
 from axgen.ir.ops import trained_size
 from axgen.passes.manager import register
 from axgen.spec import MoE
@@ -17,6 +17,7 @@ class MoEAttrs(Attrs):
     top_k: int
     capacity_factor: float | None = None
     activation: str
+    renormalize: bool = True  # whether the top-k routing weights are rescaled to sum to 1
     aux: tuple[str, ...] = ()  # auxiliary outputs: losses, and metrics such as the dropped fraction
     aux_weights: tuple[tuple[str, float], ...] = ()  # loss name -> its weight in the training loss
 
@@ -74,10 +75,44 @@ def moe(g: Graph, cfg: MoE) -> None:
             top_k=cfg.top_k,
             capacity_factor=cfg.capacity_factor,
             activation=next(n.op for n in mlp.nodes if n.op in ("swiglu", "gelu")),
+            renormalize=cfg.renormalize,
             aux=aux,
             aux_weights=tuple(losses.items()),
         )
+        if cfg.shared_hidden_dim:
+            out = _with_shared_expert(g, h, out, cfg)
         g.replace(mlp, out)
+
+
+def _with_shared_expert(g: Graph, h: Node, routed: Node, cfg: MoE) -> Node:
+    """routed + the shared expert's output: the decoder's MLP at `shared_hidden_dim`, gated by sigmoid(h . w)."""
+    embed, hidden = h.type.drop("batch", "seq"), TensorType.of(("mlp", cfg.shared_hidden_dim))
+
+    def projection(name: str, x: Node, hf: str, w_type: TensorType, role: str) -> Node:
+        w = Param(f"w_{name}", w_type, hf=HFWeight(f"{LAYER}.mlp.{hf}.weight", transpose=True))
+        return g.add(h.region, name, "linear", {"x": x}, {"w": w}, role=role)
+
+    up = projection("shared_up", h, "shared_expert.up_proj", embed.concat(hidden), "mlp_in")
+    if routed.attrs.activation == "swiglu":
+        gate = projection("shared_gate", h, "shared_expert.gate_proj", embed.concat(hidden), "mlp_in")
+        act = g.add(h.region, "shared_hidden", "swiglu", {"gate": gate, "up": up})
+    else:
+        act = g.add(h.region, "shared_hidden", "gelu", {"x": up})
+    shared = projection("shared_down", act, "shared_expert.down_proj", hidden.concat(embed), "mlp_out")
+    if cfg.shared_gate:
+        gate_logit = projection("shared_expert_gate", h, "shared_expert_gate", embed, None)
+        shared = g.add(h.region, "shared_gated", "sigmoid_gate", {"x": shared, "gate": gate_logit})
+    return g.add(h.region, "moe_and_shared", "add", {"x": routed, "y": shared})
+
+
+def _sigmoid_gate(ins, attrs, params):
+    x, gate = ins["x"], ins["gate"]
+    if gate != x.drop(x.axes[-1]):
+        raise ShapeError(f"gate{gate} is not x{x} without its last axis")
+    return x
+
+
+register_op("sigmoid_gate", ("x", "gate"), _sigmoid_gate, "moe")
 
 
 def _expert(weight: Param, experts: TensorType, gated: bool) -> Param:
