@@ -285,31 +285,31 @@ def rope(x, positions, theta, scaling=None):
 
 def decoder_layer(x, p, positions):
     """One of the 32 layers: x [batch, seq, embed] -> (same, auxiliary losses). `p` holds this layer's params."""
-    # norm · specs/mistral_7b.py:14
+    # norm · specs/llama3_8b.py:14
     attn_norm = rms_norm(x, p["attn_norm"], eps=1e-05)  # [batch, seq, embed=4096]
-    # attention · specs/mistral_7b.py:12
+    # attention · specs/llama3_8b.py:12
     q = jnp.einsum("bse,ehd->bshd", attn_norm, p["wq"])  # [batch, seq, heads=32, head_dim=128]
     k = jnp.einsum("bse,ekd->bskd", attn_norm, p["wk"])  # [batch, seq, kv_heads=8, head_dim=128]
     v = jnp.einsum("bse,ekd->bskd", attn_norm, p["wv"])  # [batch, seq, kv_heads=8, head_dim=128]
-    # rope · passes/rope.py · specs/mistral_7b.py:16
+    # rope · passes/rope.py · specs/mixtral_8x7b.py:14
     q_rope = rope(q, positions, theta=1000000.0)  # [batch, seq, heads=32, head_dim=128]
     k_rope = rope(k, positions, theta=1000000.0)  # [batch, seq, kv_heads=8, head_dim=128]
-    # attention · kernel xla (backends/cpu.py) · specs/mistral_7b.py:12 · changed by passes/rope.py
+    # attention · kernel xla (backends/cpu.py) · specs/llama3_8b.py:12 · changed by passes/rope.py
     attn = jax.nn.dot_product_attention(
         q_rope, k_rope, v, is_causal=True, implementation=ATTENTION_IMPL
     )  # [batch, seq, heads=32, head_dim=128]
-    # attention · specs/mistral_7b.py:12
+    # attention · specs/llama3_8b.py:12
     attn_out = jnp.einsum("bshd,hde->bse", attn, p["wo"])  # [batch, seq, embed=4096]
     x_attn = x + attn_out  # [batch, seq, embed=4096]
     x_attn = constrain(x_attn, ("batch", "seq", "embed"))
-    # norm · specs/mistral_7b.py:14
+    # norm · specs/llama3_8b.py:14
     mlp_norm = rms_norm(x_attn, p["mlp_norm"], eps=1e-05)  # [batch, seq, embed=4096]
-    # moe · passes/moe.py · specs/mixtral_8x7b.py:16
+    # moe · passes/moe.py · specs/mixtral_8x7b.py:15
     router = jnp.einsum("bse,ex->bsx", mlp_norm, p["router"])  # [batch, seq, expert=8]
     moe, moe_aux = moe_dropless(
         mlp_norm, router, p["w_gate"], p["w_up"], p["w_down"], top_k=2
     )  # [batch, seq, embed=4096]
-    # mlp · specs/mistral_7b.py:13 · changed by passes/moe.py
+    # mlp · specs/llama3_8b.py:13 · changed by passes/moe.py
     x_mlp = x_attn + moe  # [batch, seq, embed=4096]
     x_mlp = constrain(x_mlp, ("batch", "seq", "embed"))
     return x_mlp, moe_aux
@@ -324,11 +324,11 @@ def forward_with_aux(params, tokens):
     # embedding · specs/mixtral_8x7b.py:11
     embed = jnp.take(params["embed"], tokens, axis=0)  # [batch, seq, embed=4096]
     embed = constrain(embed, ("batch", "seq", "embed"))
-    # decoder · specs/mistral_7b.py:10
+    # decoder · specs/llama3_8b.py:10
     layers, layers_aux = jax.lax.scan(
         lambda x, p: decoder_layer(x, p, positions), embed, params["layers"]
     )  # [batch, seq, embed=4096]
-    # norm · specs/mistral_7b.py:14
+    # norm · specs/llama3_8b.py:14
     final_norm = rms_norm(layers, params["final_norm"], eps=1e-05)  # [batch, seq, embed=4096]
     # output · specs/mixtral_8x7b.py:11
     logits = jnp.einsum("bse,ev->bsv", final_norm, params["lm_head"])  # [batch, seq, vocab=32000]
