@@ -187,3 +187,19 @@ def test_replace_with_unknown_field_names_the_calling_line(tmp_path):
         SpecError, match=r"^specs/bad_replace.py:18: Model has no field 'nmae'; did you mean 'name'\?$"
     ):
         load_spec(path)
+
+
+def test_a_spec_outside_the_repo_derives_from_one_beside_it(tmp_path):
+    """Spec files anywhere import their neighbours, as specs/ do, and derive with replace."""
+    folder = tmp_path / "my_models"
+    folder.mkdir()
+    (folder / "base.py").write_text(GOOD.replace('name="bad-model"', 'name="my-base"'))
+    (folder / "wider.py").write_text(
+        "from base import spec as base\n"
+        "from axgen.spec import features as F\n"
+        "spec = base.replace(name='my-wider', d_model=128, features=[*base.features, F.qk_norm(eps=1e-6)])\n"
+    )
+    spec = load_spec(folder / "wider.py")
+    assert (spec.name, spec.d_model, spec.decoder.num_layers) == ("my-wider", 128, 2)
+    assert [f.pass_name for f in spec.features] == ["rope", "qk_norm"]
+    assert spec.origin.file.endswith("my_models/wider.py") and spec.origin.line == 3

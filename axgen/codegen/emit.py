@@ -100,10 +100,11 @@ def _context(env, graph, plan, spec, passes, spec_path, output_name) -> dict:
         "main_output": graph.output("main").name,
         "main_aux": [f"{scan.name}_aux" for scan in graph.nodes(op="scan") if scan.attrs.returns_aux],
         "aux_weights": graph.attrs["aux_losses"],
-        "aux_names": list(graph.attrs["aux_metrics"]),
+        "logged_metrics": (
+            ("cross_entropy", *graph.attrs["aux_metrics"]) if graph.attrs["aux_metrics"] else ()
+        ),
         "remat": remat,
         "logical_axis_rules": list(graph.attrs["logical_axis_rules"].items()),
-        "statistics": any(not p.trained for node in nodes for p in node.params.values()),
         "uses_checkpoint_name": any(getattr(n.attrs, "checkpoint_name", None) for n in nodes),
         "uses_functools": bool(remat or quantized),
         "uses_splash": any(n.attrs.kernel == "splash" for n in graph.nodes(op="attention")),

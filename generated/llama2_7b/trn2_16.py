@@ -54,6 +54,11 @@ CONFIG = {
     "flops_per_token": 42863689728,  # 6 x matmul weights used + causal attention
 }
 
+# Auxiliary losses the training loss adds to the cross-entropy, by weight, and the metrics the log shows besides the
+# loss (from the spec's features).
+AUX_LOSS_WEIGHTS = {}
+LOGGED_METRICS = ()
+
 # --- target trn2-16, from backends/trainium.py --------------------------------------------------
 
 MESH_SHAPE = {"data": 1, "fsdp": 4, "expert": 1, "model": 4}
@@ -90,6 +95,7 @@ class ParamSpec:
     init: str = "normal"  # normal(0, std) | ones | zeros
     std: float = 0.02
     decay: bool = True  # whether AdamW weight decay applies
+    trained: bool = True  # False: a statistic the step overwrites with what backward returns for it
 
 
 PARAMS = {
@@ -245,8 +251,9 @@ def decoder_layer(x, p, positions):
     return x_mlp
 
 
-def forward(params, tokens):
-    """tokens [batch, seq] int32 -> logits [batch, seq, vocab] in COMPUTE_DTYPE."""
+def forward_with_aux(params, tokens):
+    """tokens [batch, seq] int32 -> (logits [batch, seq, vocab] in COMPUTE_DTYPE, auxiliary losses and metrics,
+    each averaged over the layers that make it)."""
     params = jax.tree.map(lambda w: w.astype(COMPUTE_DTYPE), params)
     # tokens · specs/llama2_7b.py:6
     positions = jnp.arange(tokens.shape[1])  # [seq]
@@ -262,17 +269,25 @@ def forward(params, tokens):
     # output · specs/llama2_7b.py:6
     logits = jnp.einsum("bse,ev->bsv", final_norm, params["lm_head"])  # [batch, seq, vocab=32000]
     logits = constrain(logits, ("batch", "seq", "vocab"))
-    return logits
+    return logits, {}
+
+
+def forward(params, tokens):
+    """tokens [batch, seq] int32 -> logits [batch, seq, vocab] in COMPUTE_DTYPE."""
+    return forward_with_aux(params, tokens)[0]
 
 
 # --- training ------------------------------------------------------------------------------------------------
 
 
 def loss_fn(params, tokens):
-    """Mean next-token cross-entropy over a [batch, seq + 1] window of tokens, in float32."""
-    logits = forward(params, tokens[:, :-1])
+    """Mean next-token cross-entropy over a [batch, seq + 1] window of tokens in float32, plus the auxiliary losses
+    by their weights; returns (loss, metrics)."""
+    logits, aux = forward_with_aux(params, tokens[:, :-1])
     labels = tokens[:, 1:]
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
+    cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
+    loss = cross_entropy + sum(weight * aux[name] for name, weight in AUX_LOSS_WEIGHTS.items())
+    return loss, {"cross_entropy": cross_entropy, **aux}
 
 
 # Linear warmup to the peak rate, cosine decay to min_lr_ratio of it at the last step.
@@ -325,20 +340,26 @@ def state_shardings(mesh):
 
 
 def accumulate_gradients(params, tokens):
-    """The whole batch's loss and gradients, summed over GRAD_ACCUM_STEPS microbatches that lax.scan runs one
+    """The whole batch's loss, metrics and gradients, summed over GRAD_ACCUM_STEPS microbatches that lax.scan runs one
     after another, so only one microbatch's activations are alive at a time. Row i goes to microbatch
     i % GRAD_ACCUM_STEPS: every microbatch takes rows from every device, and no tokens move."""
     microbatches = tokens.reshape(-1, GRAD_ACCUM_STEPS, tokens.shape[1]).swapaxes(0, 1)
     # Each microbatch counts 1/GRAD_ACCUM_STEPS, so the sums are means over the batch, gradients included.
-    grad_fn = jax.value_and_grad(lambda p, t: jax.tree.map(lambda x: x / GRAD_ACCUM_STEPS, loss_fn(p, t)))
+    grad_fn = jax.value_and_grad(
+        lambda p, t: jax.tree.map(lambda x: x / GRAD_ACCUM_STEPS, loss_fn(p, t)), has_aux=True
+    )
 
     def as_params(grads):
         return jax.tree.map(lambda g, spec: constrain(g, spec.axes), grads, PARAMS, is_leaf=is_param_spec)
 
+    def add(total, new, spec):
+        # Statistics (fp8 amax histories) come back whole from each microbatch: the batch's is their maximum.
+        return total + new if spec.trained else jnp.maximum(total, new)
+
     def add_microbatch(totals, microbatch):
         values, grads = grad_fn(params, microbatch)
         values = jax.tree.map(jnp.add, totals[0], values)
-        grads = jax.tree.map(jnp.add, totals[1], grads)
+        grads = jax.tree.map(add, totals[1], grads, PARAMS, is_leaf=is_param_spec)
         return (values, as_params(grads)), None
 
     shapes = jax.eval_shape(grad_fn, params, microbatches[0])
@@ -349,10 +370,15 @@ def accumulate_gradients(params, tokens):
 
 def train_step(state, tokens):
     """One optimizer step on a [batch, seq + 1] token window; returns the new state and metrics."""
-    loss, grads = accumulate_gradients(state["params"], tokens)
+    (loss, metrics), grads = accumulate_gradients(state["params"], tokens)
+    # Statistics (params with trained=False, e.g. fp8 amax histories) are not trained: backward returns each one's
+    # next value where a gradient would be.
+    statistics = grads
+    grads = jax.tree.map(lambda g, spec: g if spec.trained else jnp.zeros_like(g), grads, PARAMS)
     updates, opt_state = OPTIMIZER.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": LEARNING_RATE(state["step"])}
+    params = jax.tree.map(lambda p, new, spec: p if spec.trained else new, params, statistics, PARAMS)
+    metrics |= {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": LEARNING_RATE(state["step"])}
     return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
 
@@ -476,7 +502,8 @@ def main(argv=None):
                 )
                 print(
                     f"step {done} | loss {metrics['loss']:.4f} | grad_norm {metrics['grad_norm']:.3f}"
-                    f" | lr {metrics['lr']:.2e} | tokens/s {tokens_per_second:.0f} | mfu {mfu:.2%}",
+                    f" | lr {metrics['lr']:.2e} | tokens/s {tokens_per_second:.0f} | mfu {mfu:.2%}"
+                    + "".join(f" | {name} {metrics[name]:.4f}" for name in LOGGED_METRICS),
                     flush=True,
                 )
             manager.save(done, args=ocp.args.StandardSave(state))

@@ -56,6 +56,11 @@ CONFIG = {
     "flops_per_token": 449222541312,  # 6 x matmul weights used + causal attention
 }
 
+# Auxiliary losses the training loss adds to the cross-entropy, by weight, and the metrics the log shows besides the
+# loss (from the spec's features).
+AUX_LOSS_WEIGHTS = {}
+LOGGED_METRICS = ()
+
 # --- target tpu-v5p-512, from backends/tpu.py --------------------------------------------------
 
 MESH_SHAPE = {"data": 8, "fsdp": 64, "expert": 1, "model": 1}
@@ -93,6 +98,7 @@ class ParamSpec:
     init: str = "normal"  # normal(0, std) | ones | zeros
     std: float = 0.02
     decay: bool = True  # whether AdamW weight decay applies
+    trained: bool = True  # False: a statistic the step overwrites with what backward returns for it
 
 
 PARAMS = {
@@ -295,8 +301,9 @@ def decoder_layer(x, p, positions):
     return x_mlp
 
 
-def forward(params, tokens):
-    """tokens [batch, seq] int32 -> logits [batch, seq, vocab] in COMPUTE_DTYPE."""
+def forward_with_aux(params, tokens):
+    """tokens [batch, seq] int32 -> (logits [batch, seq, vocab] in COMPUTE_DTYPE, auxiliary losses and metrics,
+    each averaged over the layers that make it)."""
     params = jax.tree.map(lambda w: w.astype(COMPUTE_DTYPE), params)
     # tokens · specs/llama3_70b.py:6
     positions = jnp.arange(tokens.shape[1])  # [seq]
@@ -312,17 +319,25 @@ def forward(params, tokens):
     # output · specs/llama3_70b.py:6
     logits = jnp.einsum("bse,ev->bsv", final_norm, params["lm_head"])  # [batch, seq, vocab=128256]
     logits = constrain(logits, ("batch", "seq", "vocab"))
-    return logits
+    return logits, {}
+
+
+def forward(params, tokens):
+    """tokens [batch, seq] int32 -> logits [batch, seq, vocab] in COMPUTE_DTYPE."""
+    return forward_with_aux(params, tokens)[0]
 
 
 # --- training ------------------------------------------------------------------------------------------------
 
 
 def loss_fn(params, tokens):
-    """Mean next-token cross-entropy over a [batch, seq + 1] window of tokens, in float32."""
-    logits = forward(params, tokens[:, :-1])
+    """Mean next-token cross-entropy over a [batch, seq + 1] window of tokens in float32, plus the auxiliary losses
+    by their weights; returns (loss, metrics)."""
+    logits, aux = forward_with_aux(params, tokens[:, :-1])
     labels = tokens[:, 1:]
-    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
+    cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
+    loss = cross_entropy + sum(weight * aux[name] for name, weight in AUX_LOSS_WEIGHTS.items())
+    return loss, {"cross_entropy": cross_entropy, **aux}
 
 
 # Linear warmup to the peak rate, cosine decay to min_lr_ratio of it at the last step.
@@ -376,10 +391,15 @@ def state_shardings(mesh):
 
 def train_step(state, tokens):
     """One optimizer step on a [batch, seq + 1] token window; returns the new state and metrics."""
-    loss, grads = jax.value_and_grad(loss_fn)(state["params"], tokens)
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], tokens)
+    # Statistics (params with trained=False, e.g. fp8 amax histories) are not trained: backward returns each one's
+    # next value where a gradient would be.
+    statistics = grads
+    grads = jax.tree.map(lambda g, spec: g if spec.trained else jnp.zeros_like(g), grads, PARAMS)
     updates, opt_state = OPTIMIZER.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": LEARNING_RATE(state["step"])}
+    params = jax.tree.map(lambda p, new, spec: p if spec.trained else new, params, statistics, PARAMS)
+    metrics |= {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": LEARNING_RATE(state["step"])}
     return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
 
@@ -500,7 +520,8 @@ def main(argv=None):
                 )
                 print(
                     f"step {done} | loss {metrics['loss']:.4f} | grad_norm {metrics['grad_norm']:.3f}"
-                    f" | lr {metrics['lr']:.2e} | tokens/s {tokens_per_second:.0f} | mfu {mfu:.2%}",
+                    f" | lr {metrics['lr']:.2e} | tokens/s {tokens_per_second:.0f} | mfu {mfu:.2%}"
+                    + "".join(f" | {name} {metrics[name]:.4f}" for name in LOGGED_METRICS),
                     flush=True,
                 )
             manager.save(done, args=ocp.args.StandardSave(state))

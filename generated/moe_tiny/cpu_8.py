@@ -52,8 +52,10 @@ CONFIG = {
     "flops_per_token": 7084032,  # 6 x matmul weights used + causal attention
 }
 
-# Auxiliary losses added to the cross-entropy, by weight (from the spec's features).
+# Auxiliary losses the training loss adds to the cross-entropy, by weight, and the metrics the log shows besides the
+# loss (from the spec's features).
 AUX_LOSS_WEIGHTS = {"load_balance_loss": 0.01, "router_z_loss": 0.001}
+LOGGED_METRICS = ("cross_entropy", "load_balance_loss", "router_z_loss")
 
 # --- target cpu-8, from backends/cpu.py --------------------------------------------------
 
@@ -90,6 +92,7 @@ class ParamSpec:
     init: str = "normal"  # normal(0, std) | ones | zeros
     std: float = 0.02
     decay: bool = True  # whether AdamW weight decay applies
+    trained: bool = True  # False: a statistic the step overwrites with what backward returns for it
 
 
 PARAMS = {
@@ -394,8 +397,8 @@ def forward(params, tokens):
 
 
 def loss_fn(params, tokens):
-    """Mean next-token cross-entropy over a [batch, seq + 1] window of tokens in float32, plus the weighted
-    auxiliary losses; returns (loss, metrics)."""
+    """Mean next-token cross-entropy over a [batch, seq + 1] window of tokens in float32, plus the auxiliary losses
+    by their weights; returns (loss, metrics)."""
     logits, aux = forward_with_aux(params, tokens[:, :-1])
     labels = tokens[:, 1:]
     cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
@@ -454,11 +457,15 @@ def state_shardings(mesh):
 
 def train_step(state, tokens):
     """One optimizer step on a [batch, seq + 1] token window; returns the new state and metrics."""
-    (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], tokens)
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], tokens)
+    # Statistics (params with trained=False, e.g. fp8 amax histories) are not trained: backward returns each one's
+    # next value where a gradient would be.
+    statistics = grads
+    grads = jax.tree.map(lambda g, spec: g if spec.trained else jnp.zeros_like(g), grads, PARAMS)
     updates, opt_state = OPTIMIZER.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    metrics = {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": LEARNING_RATE(state["step"])}
-    metrics.update(aux)
+    params = jax.tree.map(lambda p, new, spec: p if spec.trained else new, params, statistics, PARAMS)
+    metrics |= {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": LEARNING_RATE(state["step"])}
     return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
 
@@ -578,10 +585,7 @@ def main(argv=None):
                 print(
                     f"step {done} | loss {metrics['loss']:.4f} | grad_norm {metrics['grad_norm']:.3f}"
                     f" | lr {metrics['lr']:.2e} | tokens/s {tokens_per_second:.0f} | mfu {mfu:.2%}"
-                    + "".join(
-                        f" | {name} {metrics[name]:.4f}"
-                        for name in ("cross_entropy", *["load_balance_loss", "router_z_loss"])
-                    ),
+                    + "".join(f" | {name} {metrics[name]:.4f}" for name in LOGGED_METRICS),
                     flush=True,
                 )
             manager.save(done, args=ocp.args.StandardSave(state))
