@@ -112,3 +112,15 @@ def test_shape_rules_reject_an_ill_typed_rewrite():
     attn = next(graph.nodes(op="attention"))
     with pytest.raises(GraphError, match=r"rope needs positions \[seq\], got \[batch, seq, embed=128\]"):
         graph.insert_on_input(attn, "q", Op("rope", theta=1.0), positions=graph.node("layers", "attn_norm"))
+
+
+def test_one_vocabulary_of_axes_and_kernels():
+    from axgen.backends.common import KERNEL_OPTIONS, LOGICAL_AXIS_RULES
+    from axgen.ir import TensorType
+    from axgen.ir.types import LOGICAL_AXES
+    from axgen.spec import ATTENTION_KERNELS
+
+    assert [axis for axis, _ in LOGICAL_AXIS_RULES] == list(LOGICAL_AXES)
+    assert set(KERNEL_OPTIONS) == set(ATTENTION_KERNELS)
+    with pytest.raises(ValueError, match="unknown logical axis 'hidden'"):
+        TensorType.of("batch", ("hidden", 4))

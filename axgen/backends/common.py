@@ -7,6 +7,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from axgen.ir.types import LOGICAL_AXES
 from axgen.spec import MESH_AXES, MeshRule, Model, Remat, SpecError
 
 GIB = 1024**3
@@ -15,19 +16,18 @@ GIB = 1024**3
 # tensor is skipped, so activations [batch, seq, embed] shard batch over data x fsdp and leave embed whole, while
 # weights [embed, heads, head_dim] shard embed over fsdp and heads over model. Outside the experts, the expert
 # mesh axis is one more data-parallel axis, as in MaxText.
-LOGICAL_AXIS_RULES: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("batch", ("data", "fsdp", "expert")),
-    ("seq", ()),
-    ("embed", ("fsdp",)),
-    ("heads", ("model",)),
-    ("kv_heads", ("model",)),
-    ("head_dim", ()),
-    ("mlp", ("model",)),
-    ("vocab", ("model",)),
-    ("expert", ("expert",)),
-    ("amax_history", ()),
-    ("fp8_operand", ()),
-    ("layers", ()),
+# Every logical axis the IR names has a rule; those not listed here are replicated.
+_SHARDED = {
+    "batch": ("data", "fsdp", "expert"),
+    "embed": ("fsdp",),
+    "heads": ("model",),
+    "kv_heads": ("model",),
+    "mlp": ("model",),
+    "vocab": ("model",),
+    "expert": ("expert",),
+}
+LOGICAL_AXIS_RULES: tuple[tuple[str, tuple[str, ...]], ...] = tuple(
+    (axis, _SHARDED.get(axis, ())) for axis in LOGICAL_AXES
 )
 
 

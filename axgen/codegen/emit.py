@@ -17,24 +17,11 @@ import libcst
 import axgen
 from axgen.backends import Plan
 from axgen.ir import OPS, Graph, Node, cost
+from axgen.ir.types import LOGICAL_AXES
 from axgen.spec import REMAT_POLICIES, Model
 
 ROOT = Path(__file__).resolve().parents[2]
 TEMPLATES = ROOT / "templates"
-
-# One letter per logical axis, for einsum strings a reader can decode: "bse,ehd->bshd".
-AXIS_LETTERS = {
-    "batch": "b",
-    "seq": "s",
-    "embed": "e",
-    "heads": "h",
-    "kv_heads": "k",
-    "head_dim": "d",
-    "mlp": "f",
-    "vocab": "v",
-    "layers": "l",
-    "expert": "x",
-}
 
 
 def _black_mode() -> black.Mode:
@@ -121,7 +108,7 @@ def _lowering_text(graph: Graph, plan: Plan) -> str:
     kernels = {(n.attrs.kernel, n.attrs.block) for n in graph.nodes(op="attention")}
     chosen += [
         f"attention {kernel}" + (f" (blocks of {block})" if block else "")
-        for kernel, block in sorted(kernels)
+        for kernel, block in sorted(kernels, key=str)
     ]
     dots = sorted({n.attrs.quantize for n in graph.nodes() if getattr(n.attrs, "quantize", None)})
     chosen += [f"{'/'.join(dots)} dots"] if dots else []
@@ -211,7 +198,7 @@ def _merged(dicts: list[str]) -> str | None:
 
 def _einsum(x_axes, w_axes, out_axes) -> str:
     def letters(axes):
-        return "".join(AXIS_LETTERS[a] for a in axes)
+        return "".join(LOGICAL_AXES[a] for a in axes)
 
     return f"{letters(x_axes)},{letters(w_axes)}->{letters(out_axes)}"
 

@@ -6,11 +6,35 @@ from dataclasses import dataclass
 
 RUNTIME_AXES = ("batch", "seq")
 
+# The logical axes every tensor and param is named in, each with the letter it has in an emitted einsum
+# ("bse,ehd->bshd"). The backends' rules table maps each of them to mesh axes.
+LOGICAL_AXES: dict[str, str] = {
+    "batch": "b",
+    "seq": "s",
+    "embed": "e",
+    "heads": "h",
+    "kv_heads": "k",
+    "head_dim": "d",
+    "mlp": "f",
+    "vocab": "v",
+    "expert": "x",
+    "amax_history": "a",  # fp8 delayed scaling's history of maxima
+    "fp8_operand": "o",  # x, w and the gradient of an fp8 dot
+    "layers": "l",  # a block's params stacked over its layers
+}
+
 
 @dataclass(frozen=True)
 class TensorType:
     axes: tuple[str, ...]
     sizes: tuple[int | None, ...]
+
+    def __post_init__(self) -> None:
+        unknown = [a for a in self.axes if a not in LOGICAL_AXES]
+        if unknown:
+            raise ValueError(
+                f"unknown logical axis {unknown[0]!r}; axes are {', '.join(LOGICAL_AXES)} (ir/types.py)"
+            )
 
     @classmethod
     def of(cls, *axes: str | tuple[str, int]) -> TensorType:
