@@ -1,6 +1,7 @@
 """Gemma 2 9B (Gemma team, 2024): GeGLU, sqrt(d)-scaled tied embeddings, (1 + w) RMSNorms around both sub-layers,
 layers alternating a 4096-position sliding window and full attention, attention scores soft-capped at 50 and
-logits at 30 (HF google/gemma-2-9b's config.json; its query_pre_attn_scalar equals head_dim, the usual scale)."""
+logits at 30 (HF google/gemma-2-9b's config.json; its query_pre_attn_scalar equals head_dim, the usual scale).
+"""
 
 from axgen.spec import MLP, AdamW, Attention, Decoder, Model, RMSNorm, Train
 from axgen.spec import features as F

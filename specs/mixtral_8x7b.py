@@ -16,5 +16,7 @@ spec = mistral_7b.replace(
     ],
     targets=["tpu-v5p-256", "gpu-h100-64", "cpu-8"],
     # 750 GB of weights and Adam moments fit 80 GiB GPUs only when sharded over all 64, not 8 per host.
-    mesh_rules=[MeshRule(r"gpu-h100-\d+", {"fsdp": -1}, why="46.7B: fully sharded over every GPU", microbatch=1)],
+    mesh_rules=[
+        MeshRule(r"gpu-h100-\d+", {"fsdp": -1}, why="46.7B: fully sharded over every GPU", microbatch=1)
+    ],
 )

@@ -247,9 +247,9 @@ REMAT_POLICY = jax.checkpoint_policies.save_only_these_names("qkv_proj", "out_pr
 @functools.partial(jax.checkpoint, policy=REMAT_POLICY, prevent_cse=False)  # called only under scan
 def decoder_layer(x, p, positions):
     """One of the 21 layers: x [batch, seq, embed] -> same. `p` holds this layer's params."""
-    # norm · specs/gemma2_9b.py:17 · changed by passes/gemma_block.py
+    # norm · specs/gemma2_9b.py:18 · changed by passes/gemma_block.py
     attn_norm = rms_norm(x, p["attn_norm"], eps=1e-06)  # [batch, seq, embed=3584]
-    # attention · specs/gemma2_9b.py:15
+    # attention · specs/gemma2_9b.py:16
     q = checkpoint_name(
         jnp.einsum("bse,ehd->bshd", attn_norm, p["wq"]), "qkv_proj"
     )  # [batch, seq, heads=16, head_dim=256]
@@ -259,38 +259,38 @@ def decoder_layer(x, p, positions):
     v = checkpoint_name(
         jnp.einsum("bse,ekd->bskd", attn_norm, p["wv"]), "qkv_proj"
     )  # [batch, seq, kv_heads=8, head_dim=256]
-    # rope · passes/rope.py · specs/gemma2_9b.py:20
+    # rope · passes/rope.py · specs/gemma2_9b.py:21
     q_rope = rope(q, positions, theta=10000.0)  # [batch, seq, heads=16, head_dim=256]
     k_rope = rope(k, positions, theta=10000.0)  # [batch, seq, kv_heads=8, head_dim=256]
-    # attention · kernel xla (backends/gpu.py) · specs/gemma2_9b.py:15 · changed by passes/rope.py, passes/sliding_window.py, passes/softcap.py
+    # attention · kernel xla (backends/gpu.py) · specs/gemma2_9b.py:16 · changed by passes/rope.py, passes/sliding_window.py, passes/softcap.py
     attn = softcapped_attention(
         q_rope, k_rope, v, softcap=50.0, window=4096
     )  # [batch, seq, heads=16, head_dim=256]
-    # attention · specs/gemma2_9b.py:15
+    # attention · specs/gemma2_9b.py:16
     attn_out = checkpoint_name(
         jnp.einsum("bshd,hde->bse", attn, p["wo"]), "out_proj"
     )  # [batch, seq, embed=3584]
-    # gemma_block · passes/gemma_block.py · specs/gemma2_9b.py:21
+    # gemma_block · passes/gemma_block.py · specs/gemma2_9b.py:22
     attn_out_rms_norm = rms_norm(attn_out, p["post_attention_norm"], eps=1e-06)  # [batch, seq, embed=3584]
-    # attention · specs/gemma2_9b.py:15 · changed by passes/gemma_block.py
+    # attention · specs/gemma2_9b.py:16 · changed by passes/gemma_block.py
     x_attn = x + attn_out_rms_norm  # [batch, seq, embed=3584]
     x_attn = constrain(x_attn, ("batch", "seq", "embed"))
-    # norm · specs/gemma2_9b.py:17 · changed by passes/gemma_block.py
+    # norm · specs/gemma2_9b.py:18 · changed by passes/gemma_block.py
     mlp_norm = rms_norm(x_attn, p["mlp_norm"], eps=1e-06)  # [batch, seq, embed=3584]
-    # mlp · specs/gemma2_9b.py:16
+    # mlp · specs/gemma2_9b.py:17
     gate = checkpoint_name(
         jnp.einsum("bse,ef->bsf", mlp_norm, p["w_gate"]), "mlp_in"
     )  # [batch, seq, mlp=14336]
     up = checkpoint_name(jnp.einsum("bse,ef->bsf", mlp_norm, p["w_up"]), "mlp_in")  # [batch, seq, mlp=14336]
-    # gemma_block · passes/gemma_block.py · specs/gemma2_9b.py:21
+    # gemma_block · passes/gemma_block.py · specs/gemma2_9b.py:22
     hidden_geglu = jax.nn.gelu(gate, approximate=True) * up  # [batch, seq, mlp=14336]
-    # mlp · specs/gemma2_9b.py:16 · changed by passes/gemma_block.py
+    # mlp · specs/gemma2_9b.py:17 · changed by passes/gemma_block.py
     mlp_out = checkpoint_name(
         jnp.einsum("bsf,fe->bse", hidden_geglu, p["w_down"]), "mlp_out"
     )  # [batch, seq, embed=3584]
-    # gemma_block · passes/gemma_block.py · specs/gemma2_9b.py:21
+    # gemma_block · passes/gemma_block.py · specs/gemma2_9b.py:22
     mlp_out_rms_norm = rms_norm(mlp_out, p["post_mlp_norm"], eps=1e-06)  # [batch, seq, embed=3584]
-    # mlp · specs/gemma2_9b.py:16 · changed by passes/gemma_block.py
+    # mlp · specs/gemma2_9b.py:17 · changed by passes/gemma_block.py
     x_mlp = x_attn + mlp_out_rms_norm  # [batch, seq, embed=3584]
     x_mlp = constrain(x_mlp, ("batch", "seq", "embed"))
     return x_mlp
@@ -299,9 +299,9 @@ def decoder_layer(x, p, positions):
 @functools.partial(jax.checkpoint, policy=REMAT_POLICY, prevent_cse=False)  # called only under scan
 def global_decoder_layer(x, p, positions):
     """One of the 21 global_layers: x [batch, seq, embed] -> same. `p` holds this layer's params."""
-    # norm · specs/gemma2_9b.py:17 · changed by passes/gemma_block.py
+    # norm · specs/gemma2_9b.py:18 · changed by passes/gemma_block.py
     attn_norm = rms_norm(x, p["attn_norm"], eps=1e-06)  # [batch, seq, embed=3584]
-    # attention · specs/gemma2_9b.py:15
+    # attention · specs/gemma2_9b.py:16
     q = checkpoint_name(
         jnp.einsum("bse,ehd->bshd", attn_norm, p["wq"]), "qkv_proj"
     )  # [batch, seq, heads=16, head_dim=256]
@@ -311,36 +311,36 @@ def global_decoder_layer(x, p, positions):
     v = checkpoint_name(
         jnp.einsum("bse,ekd->bskd", attn_norm, p["wv"]), "qkv_proj"
     )  # [batch, seq, kv_heads=8, head_dim=256]
-    # rope · passes/rope.py · specs/gemma2_9b.py:20
+    # rope · passes/rope.py · specs/gemma2_9b.py:21
     q_rope = rope(q, positions, theta=10000.0)  # [batch, seq, heads=16, head_dim=256]
     k_rope = rope(k, positions, theta=10000.0)  # [batch, seq, kv_heads=8, head_dim=256]
-    # attention · kernel xla (backends/gpu.py) · specs/gemma2_9b.py:15 · changed by passes/rope.py, passes/softcap.py
+    # attention · kernel xla (backends/gpu.py) · specs/gemma2_9b.py:16 · changed by passes/rope.py, passes/softcap.py
     attn = softcapped_attention(q_rope, k_rope, v, softcap=50.0)  # [batch, seq, heads=16, head_dim=256]
-    # attention · specs/gemma2_9b.py:15
+    # attention · specs/gemma2_9b.py:16
     attn_out = checkpoint_name(
         jnp.einsum("bshd,hde->bse", attn, p["wo"]), "out_proj"
     )  # [batch, seq, embed=3584]
-    # gemma_block · passes/gemma_block.py · specs/gemma2_9b.py:21
+    # gemma_block · passes/gemma_block.py · specs/gemma2_9b.py:22
     attn_out_rms_norm = rms_norm(attn_out, p["post_attention_norm"], eps=1e-06)  # [batch, seq, embed=3584]
-    # attention · specs/gemma2_9b.py:15 · changed by passes/gemma_block.py
+    # attention · specs/gemma2_9b.py:16 · changed by passes/gemma_block.py
     x_attn = x + attn_out_rms_norm  # [batch, seq, embed=3584]
     x_attn = constrain(x_attn, ("batch", "seq", "embed"))
-    # norm · specs/gemma2_9b.py:17 · changed by passes/gemma_block.py
+    # norm · specs/gemma2_9b.py:18 · changed by passes/gemma_block.py
     mlp_norm = rms_norm(x_attn, p["mlp_norm"], eps=1e-06)  # [batch, seq, embed=3584]
-    # mlp · specs/gemma2_9b.py:16
+    # mlp · specs/gemma2_9b.py:17
     gate = checkpoint_name(
         jnp.einsum("bse,ef->bsf", mlp_norm, p["w_gate"]), "mlp_in"
     )  # [batch, seq, mlp=14336]
     up = checkpoint_name(jnp.einsum("bse,ef->bsf", mlp_norm, p["w_up"]), "mlp_in")  # [batch, seq, mlp=14336]
-    # gemma_block · passes/gemma_block.py · specs/gemma2_9b.py:21
+    # gemma_block · passes/gemma_block.py · specs/gemma2_9b.py:22
     hidden_geglu = jax.nn.gelu(gate, approximate=True) * up  # [batch, seq, mlp=14336]
-    # mlp · specs/gemma2_9b.py:16 · changed by passes/gemma_block.py
+    # mlp · specs/gemma2_9b.py:17 · changed by passes/gemma_block.py
     mlp_out = checkpoint_name(
         jnp.einsum("bsf,fe->bse", hidden_geglu, p["w_down"]), "mlp_out"
     )  # [batch, seq, embed=3584]
-    # gemma_block · passes/gemma_block.py · specs/gemma2_9b.py:21
+    # gemma_block · passes/gemma_block.py · specs/gemma2_9b.py:22
     mlp_out_rms_norm = rms_norm(mlp_out, p["post_mlp_norm"], eps=1e-06)  # [batch, seq, embed=3584]
-    # mlp · specs/gemma2_9b.py:16 · changed by passes/gemma_block.py
+    # mlp · specs/gemma2_9b.py:17 · changed by passes/gemma_block.py
     x_mlp = x_attn + mlp_out_rms_norm  # [batch, seq, embed=3584]
     x_mlp = constrain(x_mlp, ("batch", "seq", "embed"))
     return x_mlp
@@ -357,25 +357,25 @@ def forward_with_aux(params, tokens):
     """tokens [batch, seq] int32 -> (logits [batch, seq, vocab] in COMPUTE_DTYPE, auxiliary losses and metrics,
     each averaged over the layers that make it)."""
     params = jax.tree.map(lambda w: w.astype(COMPUTE_DTYPE), params)
-    # tokens · specs/gemma2_9b.py:8
+    # tokens · specs/gemma2_9b.py:9
     positions = jnp.arange(tokens.shape[1])  # [seq]
-    # embedding · specs/gemma2_9b.py:8
+    # embedding · specs/gemma2_9b.py:9
     embed = jnp.take(params["embed"], tokens, axis=0)  # [batch, seq, embed=3584]
     embed = constrain(embed, ("batch", "seq", "embed"))
-    # gemma_block · passes/gemma_block.py · specs/gemma2_9b.py:21
+    # gemma_block · passes/gemma_block.py · specs/gemma2_9b.py:22
     embed_scale = embed * jnp.asarray(59.86651818838306, embed.dtype)  # in x's dtype, as Gemma scales
-    # decoder · specs/gemma2_9b.py:13 · changed by passes/sliding_window.py, passes/gemma_block.py
+    # decoder · specs/gemma2_9b.py:14 · changed by passes/sliding_window.py, passes/gemma_block.py
     layers, _ = jax.lax.scan(
         lambda x, p: (layers_group(x, p, positions), None),
         embed_scale,
         {"layers": params["layers"], "global_layers": params["global_layers"]},
     )  # [batch, seq, embed=3584]
-    # norm · specs/gemma2_9b.py:17 · changed by passes/gemma_block.py
+    # norm · specs/gemma2_9b.py:18 · changed by passes/gemma_block.py
     final_norm = rms_norm(layers, params["final_norm"], eps=1e-06)  # [batch, seq, embed=3584]
-    # output · specs/gemma2_9b.py:8
+    # output · specs/gemma2_9b.py:9
     logits = jnp.einsum("bse,ve->bsv", final_norm, params["embed"])  # tied to the input embedding
     logits = constrain(logits, ("batch", "seq", "vocab"))
-    # softcap · passes/softcap.py · specs/gemma2_9b.py:23
+    # softcap · passes/softcap.py · specs/gemma2_9b.py:24
     logits_softcap = soft_cap(logits, 30.0)  # [batch, seq, vocab=256000]
     return logits_softcap, {}
 
