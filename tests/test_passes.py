@@ -25,7 +25,17 @@ def test_ir_after_each_pass(snapshot):
     spec = load_spec(ALL_FEATURES)
     features = {f.pass_name: f for f in spec.features}
     graph = from_spec(spec)
-    assert order(list(features)) == ["moe", "quantize", "remat", "rope"]
+    assert order(list(features)) == [
+        "moe",
+        "qkv_bias",
+        "qk_norm",
+        "quantize",
+        "remat",
+        "rope",
+        "sliding_window",
+        "gemma_block",
+        "softcap",
+    ]
     for name in order(list(features)):
         run_passes(graph, [features[name]])
         assert graph.dump() == snapshot(name=f"after_{name}")
@@ -73,7 +83,7 @@ def test_features_that_cannot_work_together_name_both(tmp_path):
         build(path, "cpu-1")
     message = str(error.value)
     assert "conflict.py:3: quantize(dtype=int8, include=.*) cannot be combined with moe(" in message
-    assert "(specs/moe_tiny.py:10): include selects moe_layers/moe" in message
+    assert "(specs/features_tiny.py:17): include selects moe_layers/moe" in message
 
 
 @pytest.mark.parametrize("target", ["tpu_v5e_8", "gpu_h100_8"])

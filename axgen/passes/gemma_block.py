@@ -29,7 +29,10 @@ def gemma_block(g: Graph, cfg: GemmaBlock) -> None:
     for region in g.blocks():
         mlp_norm = g.node(region.name, "mlp_norm")
         _set_hf(g, mlp_norm, HFWeight(f"{LAYER}.pre_feedforward_layernorm.weight"))
-        for residual in list(g.nodes(op="add", region=region.name)):
+        residuals = [n for n in g.nodes(op="add", region=region.name) if n.label in POST_NORMS]
+        for (
+            residual
+        ) in residuals:  # the two that join the residual stream, not an MoE's sum with its shared expert
             hf = HFWeight(f"{LAYER}.{POST_NORMS[residual.label]}.weight")
             scale = Param(
                 f"post_{residual.label}_norm", mlp_norm.params["scale"].type, "ones", decay=False, hf=hf
