@@ -3,7 +3,7 @@ layers alternating a 4096-position sliding window and full attention, attention 
 logits at 30 (HF google/gemma-2-9b's config.json; its query_pre_attn_scalar equals head_dim, the usual scale).
 """
 
-from axgen.spec import MLP, AdamW, Attention, Decoder, Model, RMSNorm, Train
+from axgen.spec import MLP, AdamW, Attention, Decoder, MeshRule, Model, Remat, RMSNorm, Train
 from axgen.spec import features as F
 
 spec = Model(
@@ -32,4 +32,16 @@ spec = Model(
         grad_clip=1.0,
     ),
     targets=["tpu-v5p-128", "gpu-h100-8", "cpu-8"],
+    # A 256k vocab makes one 8k sequence's logits 8 GB in float32, and 42 layers of saved projections at two
+    # sequences per pass took 116 GiB of temporaries (AOT): one sequence per pass; on H100 full remat as well.
+    mesh_rules=[
+        MeshRule(r"tpu-v5p-\d+", {"fsdp": -1}, why="9B, 256k vocab: one sequence per pass", microbatch=1),
+        MeshRule(
+            r"gpu-h100-\d+",
+            {"fsdp": -1},
+            why="9B, 256k vocab: one sequence per pass, full remat",
+            microbatch=1,
+            remat=Remat(policy="full"),
+        ),
+    ],
 )

@@ -2,6 +2,7 @@
 60 fine-grained experts (1408 wide), top-4 without renormalising, plus a 5632-wide shared expert gated by sigmoid
 (HF Qwen/Qwen1.5-MoE-A2.7B's config.json). 14.3B parameters, 2.7B used per token. Derived from Qwen2 7B."""
 
+from axgen.spec import MeshRule
 from axgen.spec import features as F
 from specs.qwen2_7b import spec as qwen2_7b
 
@@ -27,4 +28,9 @@ spec = qwen2_7b.replace(
         ),
     ],
     targets=["gpu-h100-8", "cpu-8"],
+    # 14.3B parameters with Adam moments take 20 GiB per GPU over 8; two sequences per pass peaked at 79.5 of
+    # 80 GiB (AOT), too close to the chip's edge: one sequence per pass.
+    mesh_rules=[
+        MeshRule(r"gpu-h100-[1-8]", {"fsdp": -1}, why="14.3B MoE: one sequence per pass", microbatch=1),
+    ],
 )

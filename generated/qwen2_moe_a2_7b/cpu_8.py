@@ -296,7 +296,7 @@ def decoder_layer(x, p, positions):
     """One of the 24 layers: x [batch, seq, embed] -> (same, auxiliary losses). `p` holds this layer's params."""
     # norm · specs/qwen2_7b.py:15
     attn_norm = rms_norm(x, p["attn_norm"], eps=1e-06)  # [batch, seq, embed=2048]
-    # attention · specs/qwen2_moe_a2_7b.py:14
+    # attention · specs/qwen2_moe_a2_7b.py:15
     q = jnp.einsum("bse,ehd->bshd", attn_norm, p["wq"])  # [batch, seq, heads=16, head_dim=128]
     k = jnp.einsum("bse,ekd->bskd", attn_norm, p["wk"])  # [batch, seq, kv_heads=16, head_dim=128]
     v = jnp.einsum("bse,ekd->bskd", attn_norm, p["wv"])  # [batch, seq, kv_heads=16, head_dim=128]
@@ -307,17 +307,17 @@ def decoder_layer(x, p, positions):
     # rope · passes/rope.py · specs/qwen2_7b.py:17
     q_bias_rope = rope(q_bias, positions, theta=1000000.0)  # [batch, seq, heads=16, head_dim=128]
     k_bias_rope = rope(k_bias, positions, theta=1000000.0)  # [batch, seq, kv_heads=16, head_dim=128]
-    # attention · kernel xla (backends/cpu.py) · specs/qwen2_moe_a2_7b.py:14 · changed by passes/qkv_bias.py, passes/rope.py
+    # attention · kernel xla (backends/cpu.py) · specs/qwen2_moe_a2_7b.py:15 · changed by passes/qkv_bias.py, passes/rope.py
     attn = jax.nn.dot_product_attention(
         q_bias_rope, k_bias_rope, v_bias, is_causal=True, implementation=ATTENTION_IMPL
     )  # [batch, seq, heads=16, head_dim=128]
-    # attention · specs/qwen2_moe_a2_7b.py:14
+    # attention · specs/qwen2_moe_a2_7b.py:15
     attn_out = jnp.einsum("bshd,hde->bse", attn, p["wo"])  # [batch, seq, embed=2048]
     x_attn = x + attn_out  # [batch, seq, embed=2048]
     x_attn = constrain(x_attn, ("batch", "seq", "embed"))
     # norm · specs/qwen2_7b.py:15
     mlp_norm = rms_norm(x_attn, p["mlp_norm"], eps=1e-06)  # [batch, seq, embed=2048]
-    # moe · passes/moe.py · specs/qwen2_moe_a2_7b.py:19
+    # moe · passes/moe.py · specs/qwen2_moe_a2_7b.py:20
     router = jnp.einsum("bse,ex->bsx", mlp_norm, p["router"])  # [batch, seq, expert=60]
     moe, moe_aux = moe_dropless(
         mlp_norm, router, p["w_gate"], p["w_up"], p["w_down"], top_k=4
@@ -330,7 +330,7 @@ def decoder_layer(x, p, positions):
     shared_gated = shared_down * jax.nn.sigmoid(shared_expert_gate)[..., None]  # [batch, seq, embed=2048]
     moe_and_shared = moe + shared_gated  # [batch, seq, embed=2048]
     moe_and_shared = constrain(moe_and_shared, ("batch", "seq", "embed"))
-    # mlp · specs/qwen2_moe_a2_7b.py:15 · changed by passes/moe.py
+    # mlp · specs/qwen2_moe_a2_7b.py:16 · changed by passes/moe.py
     x_mlp = x_attn + moe_and_shared  # [batch, seq, embed=2048]
     x_mlp = constrain(x_mlp, ("batch", "seq", "embed"))
     return x_mlp, moe_aux
@@ -340,18 +340,18 @@ def forward_with_aux(params, tokens):
     """tokens [batch, seq] int32 -> (logits [batch, seq, vocab] in COMPUTE_DTYPE, auxiliary losses and metrics,
     each averaged over the layers that make it)."""
     params = jax.tree.map(lambda w: w.astype(COMPUTE_DTYPE), params)
-    # tokens · specs/qwen2_moe_a2_7b.py:8
+    # tokens · specs/qwen2_moe_a2_7b.py:9
     positions = jnp.arange(tokens.shape[1])  # [seq]
-    # embedding · specs/qwen2_moe_a2_7b.py:8
+    # embedding · specs/qwen2_moe_a2_7b.py:9
     embed = jnp.take(params["embed"], tokens, axis=0)  # [batch, seq, embed=2048]
     embed = constrain(embed, ("batch", "seq", "embed"))
-    # decoder · specs/qwen2_moe_a2_7b.py:12
+    # decoder · specs/qwen2_moe_a2_7b.py:13
     layers, layers_aux = jax.lax.scan(
         lambda x, p: decoder_layer(x, p, positions), embed, params["layers"]
     )  # [batch, seq, embed=2048]
     # norm · specs/qwen2_7b.py:15
     final_norm = rms_norm(layers, params["final_norm"], eps=1e-06)  # [batch, seq, embed=2048]
-    # output · specs/qwen2_moe_a2_7b.py:8
+    # output · specs/qwen2_moe_a2_7b.py:9
     logits = jnp.einsum("bse,ev->bsv", final_norm, params["lm_head"])  # [batch, seq, vocab=151936]
     logits = constrain(logits, ("batch", "seq", "vocab"))
     return logits, jax.tree.map(jnp.mean, layers_aux)
