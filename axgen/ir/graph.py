@@ -63,9 +63,8 @@ class Region:
     function: str  # the emitted function that computes one repeat of the region
     dag: nx.MultiDiGraph = field(default_factory=nx.MultiDiGraph)
     output: str | None = None
-    attrs: dict = field(
-        default_factory=dict
-    )  # what passes decide for the whole region, e.g. its remat policy
+    # What passes and lowering decide for the whole region: its remat policy, the auxiliary outputs it returns.
+    attrs: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
