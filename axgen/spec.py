@@ -566,7 +566,7 @@ class GemmaBlock(Feature):
         if model.decoder.mlp.activation != "swiglu":
             model.decoder.mlp.fail("activation", "must be swiglu for gemma_block, whose gate GeGLU replaces")
         if not isinstance(model.decoder.norm, RMSNorm):
-            self.fail("pass_name", "needs Decoder.norm to be an RMSNorm")
+            model.decoder.fail("norm", "must be an RMSNorm for gemma_block")
 
 
 class features:  # noqa: N801 - a namespace, used as `features as F` in spec files

@@ -96,6 +96,20 @@ BAD_SPECS = [
     ),
     ("qk_norm_eps", "F.rope(theta=10_000.0)", "F.qk_norm()", 14, "QKNorm needs 'eps' (they have no default)"),
     (
+        "window_global_every",
+        "F.rope(theta=10_000.0)",
+        "F.sliding_window(window=8, global_every=3)",
+        14,
+        "SlidingWindow.global_every=3 does not divide Decoder.num_layers=2",
+    ),
+    (
+        "softcap_nothing",
+        "F.rope(theta=10_000.0)",
+        "F.softcap()",
+        14,
+        "SoftCap.attention=None and SoftCap.final are both None: cap at least one of them",
+    ),
+    (
         "remat_policy",
         "F.rope(theta=10_000.0)",
         'F.remat(policy="ful")',
@@ -203,3 +217,16 @@ def test_a_spec_outside_the_repo_derives_from_one_beside_it(tmp_path):
     assert (spec.name, spec.d_model, spec.decoder.num_layers) == ("my-wider", 128, 2)
     assert [f.pass_name for f in spec.features] == ["rope", "qk_norm"]
     assert spec.origin.file.endswith("my_models/wider.py") and spec.origin.line == 3
+
+
+def test_gemma_block_needs_a_gated_mlp(tmp_path):
+    text = GOOD.replace('activation="swiglu"', 'activation="gelu"').replace(
+        "features=[F.rope(theta=10_000.0)]", "features=[F.rope(theta=10_000.0), F.gemma_block()]"
+    )
+    path = tmp_path / "specs" / "bad_gemma.py"
+    path.parent.mkdir()
+    path.write_text(text)
+    with pytest.raises(
+        SpecError, match=r"^specs/bad_gemma.py:11: MLP.activation='gelu' must be swiglu for gemma"
+    ):
+        load_spec(path)
