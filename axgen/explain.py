@@ -46,14 +46,14 @@ def _lowering_reports(built: Built) -> list[PassReport]:
     graph, plan, _ = lowered(built.spec, built.target, after="passes")
     reports = []
     for step in lowering.STEPS:
-        before = _attrs_by_node(graph)
+        before, blocks_before = _attrs_by_node(graph), _attrs_by_block(graph)
         step(graph, plan)
         touched = [n for n in graph.nodes() if before.get(str(n)) != repr(n.attrs)]
+        regions = [name for name, attrs in _attrs_by_block(graph).items() if blocks_before[name] != attrs]
         source = inspect.getsource(step)
+        name = f"lower.{step.__name__}"
         reports.append(
-            _summary(
-                graph, f"lower.{step.__name__}", plan.backend_file, touched, source, "backends/lowering.py"
-            )
+            _summary(graph, name, plan.backend_file, touched, source, "backends/lowering.py", regions)
         )
     return reports
 
@@ -62,18 +62,32 @@ def _attrs_by_node(graph: Graph) -> dict[str, str]:
     return {str(n): repr(n.attrs) for n in graph.nodes()}
 
 
+def _attrs_by_block(graph: Graph) -> dict[str, str]:
+    return {r.name: repr(r.attrs) for r in graph.blocks()}
+
+
 def _report(built: Built, applied: AppliedPass, total_layers: int) -> PassReport:
     name = applied.registered.name
     touched = [node for node in built.graph.nodes() if name in node.passes]
     path = Path(inspect.getsourcefile(applied.registered.fn))
+    regions = [r.name for r in built.graph.blocks() if name in r.passes]
     summary = _summary(
-        built.graph, name, str(applied.feature.origin), touched, path.read_text(), f"passes/{path.name}"
+        built.graph,
+        name,
+        str(applied.feature.origin),
+        touched,
+        path.read_text(),
+        f"passes/{path.name}",
+        regions,
     )
     return dataclasses.replace(summary, feature=applied.feature.summary())
 
 
-def _summary(graph: Graph, name: str, origin: str, touched: list[Node], source: str, file: str) -> PassReport:
-    regions = {node.region for node in touched if node.region != "main"}
+def _summary(
+    graph: Graph, name: str, origin: str, touched: list[Node], source: str, file: str, regions=()
+) -> PassReport:
+    """`regions`: blocks whose own attrs (a remat policy) changed, besides those of the `touched` nodes."""
+    regions = {node.region for node in touched if node.region != "main"} | set(regions)
     return PassReport(
         name=name,
         feature="",

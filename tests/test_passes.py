@@ -60,6 +60,8 @@ def test_explain_counts_what_each_pass_did(capsys):
     assert (reports["lower.remat"].nodes, reports["lower.remat"].instances) == (7, 224)
     assert reports["lower.remat"].origin == "backends/tpu.py" and "remat" not in reports
     assert reports["lower.attention_kernel"].instances == 32 and reports["lower.shard"].main_nodes == 2
+    every = {r.name: r for r in explain(build(ALL_FEATURES, "cpu-1"))}
+    assert (every["remat"].nodes, every["remat"].layers) == (0, 4)  # a policy for each block, no node changed
     assert 0 < reports["rope"].logic_lines < reports["rope"].file_lines
     moe = {r.name: r for r in explain(build(ROOT / "specs/moe_tiny.py", "cpu-8"))}["moe"]
     assert (moe.layers, moe.main_nodes) == (2, 1)  # every second layer, and the scan that now runs two blocks

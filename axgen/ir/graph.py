@@ -65,6 +65,7 @@ class Region:
     output: str | None = None
     # What passes and lowering decide for the whole region: its remat policy, the auxiliary outputs it returns.
     attrs: dict = field(default_factory=dict)
+    passes: tuple[str, ...] = ()  # the passes that set its attrs
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,10 @@ class Graph:
         return node
 
     def set_region_attrs(self, region: str, **attrs) -> None:
-        self.regions[region].attrs.update(attrs)
+        reg = self.regions[region]
+        reg.attrs.update(attrs)
+        if self._pass and self._pass[0] not in reg.passes:
+            reg.passes = (*reg.passes, self._pass[0])
 
     def subgraph(self, region: str, keep: Callable[[Node], bool]) -> Subgraph:
         """The nodes of `region` that `keep` selects; exactly one of them may be read from outside."""
