@@ -4,8 +4,8 @@
     params = hf_to_params(safetensors.numpy.load_file("model.safetensors"), spec)
     logits = program.forward(params, tokens)      # tokens: int32 [batch, seq]
 
-Reads checkpoints of the HF families the spec's graph names its params after (transformers 5 layout): Llama,
-Mistral and Mixtral.
+Reads checkpoints of every HF family whose params the spec's graph names (transformers 5 layout): Llama,
+Mistral, Mixtral, Qwen2, Qwen3, Qwen2-MoE and Gemma 2 are tested.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def _hf_tensor(state_dict, param: Param, layer: int | None) -> np.ndarray:
         tensor = np.split(tensor, count, axis=-2)[index]
     if param.hf.transpose:
         tensor = np.swapaxes(tensor, -1, -2)
-    tensor = tensor + np.float32(param.hf.offset) if param.hf.offset else tensor
+    tensor = tensor + np.float32(param.hf.offset)
     if tensor.size != math.prod(param.shape):
         raise ValueError(
             f"tensor {name!r} has shape {list(tensor.shape)}; param {param.key} needs {list(param.shape)}"

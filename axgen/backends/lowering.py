@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 from axgen.backends.common import KERNEL_OPTIONS, Plan
 from axgen.ir import Graph, GraphError, Node, ScanCall
+from axgen.ir.ops import ScanAttrs
 from axgen.spec import REMAT_POLICIES
 
 # Activations whose sharding the program pins: the residual stream at each layer boundary and the logits. XLA
@@ -72,8 +73,7 @@ def scan_grouping(g: Graph, plan: Plan) -> None:
         calls = tuple(_call(g, block, scan.attrs.steps) for block in scan.attrs.blocks)
         if sum(call.aux for call in calls) > 1:
             raise GraphError(f"{scan}: more than one block of a group has auxiliary outputs")
-        grouped = len(calls) > 1 or calls[0].per_step > 1
-        function = f"{scan.name}_group" if grouped else calls[0].function
+        function = f"{scan.name}_group" if ScanAttrs.groups(calls) else calls[0].function
         g.update(scan, function=function, calls=calls, returns_aux=any(call.aux for call in calls))
 
 

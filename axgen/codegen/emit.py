@@ -63,7 +63,7 @@ def emit(graph: Graph, plan: Plan, spec: Model, passes: list, spec_path: str, ou
 
 def _context(env, graph, plan, spec, passes, spec_path, output_name) -> dict:
     nodes = list(graph.nodes())
-    groups = [_group(scan) for scan in graph.nodes(op="scan") if _is_group(scan)]
+    groups = [_group(scan) for scan in graph.nodes(op="scan") if scan.attrs.groups(scan.attrs.calls)]
     remat = _remat(graph)
     quantized = any(getattr(n.attrs, "quantize", None) for n in nodes)
     return {
@@ -244,11 +244,6 @@ def _block_remat(region) -> bool:
     return REMAT_POLICIES[region.attrs.get("remat", "none")].checkpoint
 
 
-def _is_group(scan: Node) -> bool:
-    """Whether one scan step runs more than one layer: a mixed stack, or several layers of one block."""
-    return len(scan.attrs.calls) > 1 or scan.attrs.calls[0].per_step > 1
-
-
 def _group(scan: Node) -> dict:
     """The function one step of a grouped scan runs: each block's layers of the group, in order."""
     return {
@@ -305,7 +300,7 @@ def _statement(env, graph: Graph, node: Node, param_root: str) -> str:
 
 def _scan_xs(scan: Node, param_root: str) -> str:
     """The stacked params a scan runs over: one block's, or each block's of a group, regrouped per step."""
-    if not _is_group(scan):
+    if not scan.attrs.groups(scan.attrs.calls):
         return f'{param_root}["{scan.attrs.blocks[0]}"]'
     entries = []
     for call in scan.attrs.calls:

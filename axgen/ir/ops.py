@@ -102,6 +102,11 @@ class ScanAttrs(Attrs):
     calls: tuple[ScanCall, ...] = ()
     returns_aux: bool = False
 
+    @staticmethod
+    def groups(calls: tuple[ScanCall, ...]) -> bool:
+        """Whether one step of these calls runs more than one layer: a mixed stack, or several layers of a block."""
+        return len(calls) > 1 or calls[0].per_step > 1
+
 
 # --- shape rules -------------------------------------------------------------------------------------------------
 
