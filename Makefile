@@ -9,16 +9,23 @@ DEMO := build/demo
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || { py=$$(scripts/find-python) && echo "creating $(VENV) with $$py" && "$$py" -m venv $(VENV); }
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[dev,tpu,gpu-aot]'
+	$(BIN)/pip install -q -e '.[dev,bench,tpu,gpu-aot]'
 	touch $(STAMP)
 
+# The path a user takes with their own text: a tokenizer, a dataset with an eval split, a program, a run that
+# evaluates and resumes, and its report (build/demo/run/report.png).
 demo: $(STAMP)
-	rm -rf $(DEMO)/ckpt
+	rm -rf $(DEMO)
+	$(BIN)/axgen corpus $(DEMO)/corpus
+	$(BIN)/axgen tokenizer train $(DEMO)/corpus --vocab-size 512 --out $(DEMO)/tokenizer.json
+	$(BIN)/axgen data $(DEMO)/corpus --tokenizer $(DEMO)/tokenizer.json --eval-fraction 0.05 --out $(DEMO)/dataset
 	$(BIN)/axgen build specs/llama_tiny.py --target cpu-8 --out $(DEMO)/llama_tiny_cpu_8.py
-	$(BIN)/axgen corpus $(DEMO)/corpus.u16
-	$(BIN)/python $(DEMO)/llama_tiny_cpu_8.py --data $(DEMO)/corpus.u16 --ckpt-dir $(DEMO)/ckpt --steps 300 --log-every 50
+	$(BIN)/python $(DEMO)/llama_tiny_cpu_8.py --data $(DEMO)/dataset --run-dir $(DEMO)/run --steps 300 \
+		--log-every 50 --eval-every 100 --eval-batches 4
 	@echo "--- second run: resumes from the newest checkpoint and continues to step 340"
-	$(BIN)/python $(DEMO)/llama_tiny_cpu_8.py --data $(DEMO)/corpus.u16 --ckpt-dir $(DEMO)/ckpt --steps 340 --log-every 20
+	$(BIN)/python $(DEMO)/llama_tiny_cpu_8.py --data $(DEMO)/dataset --run-dir $(DEMO)/run --steps 340 \
+		--log-every 20 --eval-every 100 --eval-batches 4
+	$(BIN)/axgen report $(DEMO)/run
 
 test: $(STAMP)
 	$(BIN)/black --check --quiet .

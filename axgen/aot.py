@@ -138,7 +138,6 @@ def _compile_here(program_path: str, spec_path: str, target: str) -> Report:
     """Runs in the compile process: imports the program, builds its mesh on the stand-in devices, compiles."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding
 
     from axgen.interop import load_program
 
@@ -163,12 +162,14 @@ def _compile_here(program_path: str, spec_path: str, target: str) -> Report:
         jax.eval_shape(lambda: program.init_state(jax.random.key(0))),
         program.state_shardings(mesh),
     )
-    batch_spec = program.logical_to_mesh(("batch", "seq"), (batch, 1), mesh.shape)
-    tokens = jax.ShapeDtypeStruct((batch, seq_len + 1), jnp.int32, sharding=NamedSharding(mesh, batch_spec))
+    # Token windows and their segment ids: packed documents, as the program trains on them.
+    tokens = jax.ShapeDtypeStruct(
+        (batch, seq_len + 1), jnp.int32, sharding=program.batch_sharding(mesh, batch)
+    )
     with jax.set_mesh(mesh):
         began = time.perf_counter()
         try:
-            compiled = step.lower(state, tokens).compile()
+            compiled = step.lower(state, tokens, tokens).compile()
         except Exception as err:  # the TPU compiler's own out-of-memory check; anything else is a failure
             if "RESOURCE_EXHAUSTED" not in str(err):
                 raise

@@ -1,4 +1,5 @@
-"""`axgen build | graph | explain | aot | targets | corpus`: the command line. Errors are one line and exit 2."""
+"""`axgen build | graph | explain | aot | targets | corpus | data | tokenizer train | report`: the command line.
+Errors are one line and exit 2."""
 
 from __future__ import annotations
 
@@ -6,17 +7,21 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 from pathlib import Path
 
 from axgen.aot import AotError, compile_target, markdown
 from axgen.backends import FAMILIES, family_for
 from axgen.build import build, default_output, lowered, write_atomically
-from axgen.corpus import write_token_file
+from axgen.corpus import write_corpus
+from axgen.data import DataError, ReadOptions, build_dataset, summary
 from axgen.explain import explain, render
 from axgen.ir import GraphError
 from axgen.loader import load_spec
 from axgen.passes import PassError
+from axgen.report import ReportError, write_report
 from axgen.spec import SpecError
+from axgen.tokenizer import load_tokenizer, train_tokenizer
 
 SPECS = Path("specs")
 GENERATED = Path("generated")
@@ -26,9 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.run(args)
-    except (SpecError, GraphError, PassError, AotError) as err:
+    except (SpecError, GraphError, PassError, AotError, DataError, ReportError) as err:
         print(f"axgen: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("axgen: interrupted", file=sys.stderr)
+        return 130
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -75,10 +83,46 @@ def _parser() -> argparse.ArgumentParser:
     t = sub.add_parser("targets", help="list the target patterns and their mesh rules")
     t.set_defaults(run=_targets)
 
-    c = sub.add_parser("corpus", help="write the bundled demo corpus as a uint16 byte-token file")
-    c.add_argument("out", type=Path)
+    c = sub.add_parser("corpus", help="write the bundled demo corpus: one .txt document per stdlib module")
+    c.add_argument("out", type=Path, help="directory to write into")
     c.set_defaults(run=_corpus)
+
+    d = sub.add_parser("data", help="tokenize text, JSON Lines or Parquet files into a sharded token dataset")
+    _input_arguments(d)
+    d.add_argument("--tokenizer", type=Path, required=True, help="a Hugging Face tokenizer.json")
+    d.add_argument("--out", type=Path, required=True, help="dataset directory to write")
+    d.add_argument("--eval-fraction", type=float, default=0.01, help="chance a document goes to eval (0.01)")
+    d.add_argument("--seed", type=int, default=0, help="seed of the train/eval split (0)")
+    d.add_argument("--shard-tokens", type=int, default=50_000_000, help="tokens that close a shard (50M)")
+    d.add_argument("--bos", metavar="TOKEN", help="default: tokenizer_config.json's, else a well-known name")
+    d.add_argument("--eos", metavar="TOKEN", help="default: tokenizer_config.json's, else a well-known name")
+    d.add_argument("--force", action="store_true", help="replace an existing dataset at --out")
+    d.set_defaults(run=_data)
+
+    tok = sub.add_parser("tokenizer", help="tokenizer tools").add_subparsers(required=True, metavar="ACTION")
+    tt = tok.add_parser("train", help="fit a byte-level BPE to the documents `axgen data` would read")
+    _input_arguments(tt)
+    tt.add_argument("--vocab-size", type=int, required=True, help="tokens: 256 bytes, 2 special, merges")
+    tt.add_argument("--out", type=Path, required=True, help="tokenizer.json (tokenizer_config.json beside)")
+    tt.set_defaults(run=_tokenizer_train)
+
+    r = sub.add_parser("report", help="draw a run's metrics.jsonl into a PNG and print a summary table")
+    r.add_argument("run_dir", type=Path, help="the --run-dir of an emitted program's run")
+    r.add_argument("--out", type=Path, help="PNG to write (default RUN_DIR/report.png)")
+    r.set_defaults(run=_report)
     return parser
+
+
+def _input_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("inputs", nargs="+", help="files, directories, globs: .txt .jsonl .json .parquet")
+    parser.add_argument("--field", default="text", help="JSON Lines: the string field of each record (text)")
+    parser.add_argument("--column", default="text", help="Parquet: the string column (text)")
+    parser.add_argument("--doc-per-line", action="store_true", help="text: a document per non-empty line")
+    parser.add_argument("--skip-bad", action="store_true", help="skip and count bad records, not stop")
+
+
+def _read_options(args) -> ReadOptions:
+    return ReadOptions(args.field, args.column, args.doc_per_line, args.skip_bad)
 
 
 def _jobs(args) -> list[tuple[Path, str, Path]]:
@@ -169,8 +213,42 @@ def _targets(args) -> int:
 
 
 def _corpus(args) -> int:
-    count = write_token_file(args.out)
-    print(f"wrote {count} tokens to {args.out}")
+    files = write_corpus(args.out)
+    size = sum(path.stat().st_size for path in files)
+    print(f"wrote {len(files)} documents ({size / 1e6:.1f} MB of Python source) to {args.out}")
+    return 0
+
+
+def _data(args) -> int:
+    tokenizer = load_tokenizer(args.tokenizer, bos=args.bos, eos=args.eos)
+    start = time.perf_counter()
+    manifest = build_dataset(
+        args.inputs,
+        tokenizer,
+        args.out,
+        _read_options(args),
+        eval_fraction=args.eval_fraction,
+        seed=args.seed,
+        shard_tokens=args.shard_tokens,
+        overwrite=args.force,
+    )
+    print(f"wrote {args.out}: {summary(manifest, time.perf_counter() - start)}")
+    return 0
+
+
+def _report(args) -> int:
+    png, table = write_report(args.run_dir, args.out)
+    print(table, end="")
+    print(f"wrote {png}")
+    return 0
+
+
+def _tokenizer_train(args) -> int:
+    tokenizer, skipped = train_tokenizer(args.inputs, args.vocab_size, args.out, _read_options(args))
+    print(
+        f"wrote {args.out} ({tokenizer.get_vocab_size()} tokens) and its tokenizer_config.json; "
+        f"{skipped.count} skipped"
+    )
     return 0
 
 

@@ -1,11 +1,11 @@
-"""A tiny Llama with a byte vocabulary: the default spec of `make demo` and of the tests."""
+"""A tiny Llama: the default spec of `make demo` (a 512-token BPE of the demo corpus) and of the tests (bytes)."""
 
 from axgen.spec import MLP, AdamW, Attention, Decoder, Model, RMSNorm, Train
 from axgen.spec import features as F
 
 spec = Model(
     name="llama-tiny",
-    vocab_size=256,
+    vocab_size=512,
     d_model=128,
     decoder=Decoder(
         num_layers=4,

@@ -12,36 +12,44 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from axgen.corpus import write_token_file  # noqa: E402
+from axgen.corpus import module_sources  # noqa: E402
+from axgen.data import write_dataset  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP_LINE = re.compile(r"^step (\d+) \| loss ([0-9.]+)", re.MULTILINE)
 
 
+def byte_documents() -> list[np.ndarray]:
+    """The demo corpus's documents as byte tokens: a vocabulary of 256 with NUL, which source never holds, as EOS."""
+    return [np.frombuffer(text.encode(), np.uint8) for text in module_sources().values()]
+
+
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("data") / "corpus.u16"
-    write_token_file(path)
+    """A dataset directory of the demo corpus in byte tokens, with an eval split."""
+    path = tmp_path_factory.mktemp("data") / "bytes"
+    write_dataset(path, byte_documents(), vocab_size=256, bos_id=None, eos_id=0, eval_fraction=0.05)
     return path
 
 
-def train(program: Path, data: Path, ckpt_dir: Path, steps: int, *extra: str) -> dict[int, float]:
+def train(program: Path, data: Path, run_dir: Path, steps: int, *extra: str) -> dict[int, float]:
     """Runs an emitted program as a user would; returns {step: loss} from its log."""
     return {
         int(step): float(loss)
-        for step, loss in STEP_LINE.findall(train_log(program, data, ckpt_dir, steps, *extra))
+        for step, loss in STEP_LINE.findall(train_log(program, data, run_dir, steps, *extra))
     }
 
 
-def train_log(program: Path, data: Path, ckpt_dir: Path, steps: int, *extra: str) -> str:
+def train_log(program: Path, data: Path, run_dir: Path, steps: int, *extra: str) -> str:
     """Runs an emitted program as a user would, logging every step; returns what it printed."""
-    return run_python(str(program), *program_args(data, ckpt_dir, steps), *extra)
+    return run_python(str(program), *program_args(data, run_dir, steps), *extra)
 
 
-def program_args(data: Path, ckpt_dir: Path, steps: int) -> list[str]:
-    return ["--data", str(data), "--ckpt-dir", str(ckpt_dir), "--steps", str(steps), "--log-every", "1"]
+def program_args(data: Path, run_dir: Path, steps: int) -> list[str]:
+    return ["--data", str(data), "--run-dir", str(run_dir), "--steps", str(steps), "--log-every", "1"]
 
 
 def run_python(*argv: str) -> str:

@@ -1,6 +1,6 @@
 """Runs an emitted program's `main()` on fake CPU devices, as its own target's mesh or as one device:
 
-    python tests/run_program.py PROGRAM DEVICES [--single-device] -- --data ... --ckpt-dir ... --steps N
+    python tests/run_program.py PROGRAM DEVICES [--single-device] -- --data DATASET --run-dir DIR --steps N
 
 One process stands in for every host, and AXGEN_XLA_KERNELS=1 (the programs' one switch) takes the XLA path for
 kernels that exist only on the chip. With --single-device the mesh is all ones: the same code, unsharded.

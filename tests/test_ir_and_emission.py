@@ -31,7 +31,7 @@ def test_dump_after_lowering_shows_every_target_decision(name, target, snapshot)
 
 def test_graph_command_prints_each_stage(capsys):
     for after, present, absent in [
-        ("spec", "attention(q=q, k=k, v=v)", "rope("),
+        ("spec", "attention(q=q, k=k, v=v, segment_ids=segment_ids)", "rope("),
         ("passes", "rope(x=q, positions=positions)", "kernel="),
         ("lowering", "kernel=splash block=128", "kernel=None"),
     ]:
@@ -63,7 +63,19 @@ def test_without_rope_feature_there_is_no_rope_anywhere():
 def test_emitted_files_import_only_the_allowed_libraries():
     import libcst as cst
 
-    allowed = {"argparse", "dataclasses", "functools", "math", "os", "time", "jax", "numpy", "optax", "orbax"}
+    stdlib = {
+        "argparse",
+        "collections",
+        "concurrent",
+        "dataclasses",
+        "functools",
+        "json",
+        "math",
+        "os",
+        "time",
+    }
+    # The loader is the program's own numpy reader (README: chosen against grain); tensorboardX writes the events.
+    allowed = stdlib | {"jax", "numpy", "optax", "orbax", "tensorboardX"}
     for path in sorted((ROOT / "generated").glob("*/*.py")):
         module = cst.parse_module(path.read_text())
         imported = set()
@@ -110,17 +122,19 @@ def test_shape_rules_reject_an_ill_typed_rewrite():
     spec = load_spec(TINY)
     graph = from_spec(spec)
     attn = next(graph.nodes(op="attention"))
-    with pytest.raises(GraphError, match=r"rope needs positions \[seq\], got \[batch, seq, embed=128\]"):
+    with pytest.raises(
+        GraphError, match=r"rope needs positions \[batch, seq\], got \[batch, seq, embed=128\]"
+    ):
         graph.insert_on_input(attn, "q", Op("rope", theta=1.0), positions=graph.node("layers", "attn_norm"))
 
 
 def test_one_vocabulary_of_axes_and_kernels():
-    from axgen.backends.common import KERNEL_OPTIONS, LOGICAL_AXIS_RULES
+    from axgen.backends.common import DOCUMENT_MASKS, KERNEL_OPTIONS, LOGICAL_AXIS_RULES
     from axgen.ir import TensorType
     from axgen.ir.types import LOGICAL_AXES
     from axgen.spec import ATTENTION_KERNELS
 
     assert [axis for axis, _ in LOGICAL_AXIS_RULES] == list(LOGICAL_AXES)
-    assert set(KERNEL_OPTIONS) == set(ATTENTION_KERNELS)
+    assert set(KERNEL_OPTIONS) == set(DOCUMENT_MASKS) == set(ATTENTION_KERNELS)
     with pytest.raises(ValueError, match="unknown logical axis 'hidden'"):
         TensorType.of("batch", ("hidden", 4))

@@ -163,7 +163,9 @@ def test_gradient_accumulation_equals_the_one_pass_step(tmp_path, features):
     params, metrics = one_step(accumulated, tokens)
     expected_params, expected_metrics = one_step(one_pass, tokens)
     np.testing.assert_allclose(metrics["loss"], expected_metrics["loss"], rtol=1e-6)
-    np.testing.assert_allclose(metrics["grad_norm"], expected_metrics["grad_norm"], rtol=1e-5)
+    # fp8's emulated rounding of each microbatch's gradients adds a little to their norm's error.
+    grad_norm_tolerance = 1e-5 if features == "tiny.features" else 5e-5
+    np.testing.assert_allclose(metrics["grad_norm"], expected_metrics["grad_norm"], rtol=grad_norm_tolerance)
 
     def check(path, value, expected):
         np.testing.assert_allclose(value, expected, rtol=1e-5, atol=1e-7, err_msg=jax.tree_util.keystr(path))
@@ -174,9 +176,9 @@ def test_gradient_accumulation_equals_the_one_pass_step(tmp_path, features):
 def test_a_batch_that_does_not_split_into_the_microbatches_is_refused(tmp_path, capsys):
     rule = 'MeshRule(r"cpu-1", {}, why="four passes", microbatch=4)'
     program = program_for(tmp_path, tiny_with(tmp_path, "accumulated", rule), "cpu-1")
-    assert program.parse_args(["--data", "d", "--ckpt-dir", "c", "--batch", "8"]).batch == 8
+    assert program.parse_args(["--data", "d", "--run-dir", "c", "--batch", "8"]).batch == 8
     with pytest.raises(SystemExit):
-        program.parse_args(["--data", "d", "--ckpt-dir", "c", "--batch", "6"])
+        program.parse_args(["--data", "d", "--run-dir", "c", "--batch", "6"])
     assert "--batch 6 does not split into GRAD_ACCUM_STEPS=4 microbatches" in capsys.readouterr().err
 
 
@@ -195,7 +197,8 @@ def tiny_program_with(tmp_path, features: str, target: str):
 @pytest.mark.parametrize(("window", "softcap"), [(None, None), (64, None), (None, 2.0), (64, 2.0)])
 def test_splash_kernel_equals_xla_attention_when_sharded(window, softcap, tmp_path):
     """Splash in interpret mode against XLA: causal, with a sliding window (a local mask), with soft-capped scores
-    (the kernel's own cap against the XLA helper the program uses where a kernel has none)."""
+    (the kernel's own cap against the XLA helper the program uses where a kernel has none), each over rows that pack
+    several documents (segment ids into the kernel against XLA's dense document mask)."""
     options = {k: v for k, v in {"window": window, "softcap": softcap}.items() if v is not None}
     features = [f"F.sliding_window(window={window})"] * bool(window) + [
         f"F.softcap(attention={softcap})"
@@ -211,18 +214,29 @@ def test_splash_kernel_equals_xla_attention_when_sharded(window, softcap, tmp_pa
         )
     )
 
+    document_starts = np.random.default_rng(0).random((8, 256)) < 0.02
+    segment_ids = jnp.asarray(np.cumsum(document_starts, axis=1) + 1, jnp.int32)
+    assert segment_ids[:, -1].min() > 1, "every row packs several documents"
+
     assert program.ATTENTION_IMPL == "splash"
 
     def loss(attention, q, k, v):
         return (attention(q, k, v) ** 2).sum()
 
     local_window_size = None if window is None else (window - 1, 0)
-    xla = functools.partial(jax.nn.dot_product_attention, is_causal=True, local_window_size=local_window_size)
+    xla = functools.partial(
+        jax.nn.dot_product_attention,
+        mask=program.document_mask(segment_ids),
+        is_causal=True,
+        local_window_size=local_window_size,
+    )
     if softcap is not None:
-        xla = functools.partial(program.softcapped_attention, softcap=softcap, window=window)
+        xla = functools.partial(
+            program.softcapped_attention, segment_ids=segment_ids, softcap=softcap, window=window
+        )
     expected = xla(q, k, v)
     expected_grads = jax.grad(functools.partial(loss, xla), argnums=(0, 1, 2))(q, k, v)
-    splash = functools.partial(program.causal_attention, interpret=True, **options)
+    splash = functools.partial(program.causal_attention, segment_ids=segment_ids, interpret=True, **options)
     mesh = jax.make_mesh(
         (1, 4, 1, 2), ("data", "fsdp", "expert", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 4
     )
@@ -246,9 +260,10 @@ def test_softcapped_attention_is_attention_when_the_cap_is_far(window, tmp_path)
     )
     local_window_size = None if window is None else (window - 1, 0)
     expected = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local_window_size)
-    got = program.softcapped_attention(q, k, v, softcap=1e4, window=window)
+    one_document = jnp.ones((2, 64), jnp.int32)
+    got = program.softcapped_attention(q, k, v, one_document, softcap=1e4, window=window)
     np.testing.assert_allclose(got, expected, atol=1e-5)
-    capped = program.softcapped_attention(q * 30, k, v, softcap=1.0, window=window)
+    capped = program.softcapped_attention(q * 30, k, v, one_document, softcap=1.0, window=window)
     assert not np.allclose(capped, jax.nn.dot_product_attention(q * 30, k, v, is_causal=True), atol=1e-2)
 
 

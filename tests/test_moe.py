@@ -118,7 +118,9 @@ def test_mixed_stack_alternates_dense_and_moe_layers():
     spec = load_spec(MOE_TINY)
     built = build(MOE_TINY, "cpu-1")
     assert {r.name: r.repeat for r in built.graph.blocks()} == {"layers": 2, "moe_layers": 2}
-    assert "moe_dropless" in built.source and "def layers_group(x, p, positions):" in built.source
+    assert (
+        "moe_dropless" in built.source and "def layers_group(x, p, positions, segment_ids):" in built.source
+    )
     # 2 dense + 2 MoE layers: each MoE layer adds a router and 3 more copies of the MLP.
     dense = build(ROOT / "specs/llama_tiny.py", "cpu-1").graph
     mlp = 3 * spec.d_model * spec.decoder.mlp.hidden_dim

@@ -98,12 +98,13 @@ def test_gradients_pass_straight_through(programs, dtype):
 
 
 def train_losses(program, corpus, steps=30, batch=8):
-    data = program.TokenWindows(corpus, program.CONFIG["seq_len"], batch, seed=0)
+    split = program.PackedSplit(corpus, "train", program.CONFIG["seq_len"])
+    data = program.Batches(split, batch, seed=0)
     state = program.init_state(jax.random.key(0))
     step = jax.jit(program.train_step)
     losses = []
     for i in range(steps):
-        state, metrics = step(state, data.local_batch(i))
+        state, metrics = step(state, *data.local_batch(i))
         losses.append(float(metrics["loss"]))
     return np.array(losses)
 

@@ -93,4 +93,4 @@ def test_layer_norm_and_gelu_variant_runs(tmp_path):
         np.asarray(program.layer_norm(x, scale, bias, eps=1e-6)), expected, rtol=1e-5, atol=1e-5
     )
     logits = program.forward(program.init_params(jax.random.key(0)), np.zeros((1, 8), np.int32))
-    assert logits.shape == (1, 8, 256) and np.isfinite(np.asarray(logits)).all()
+    assert logits.shape == (1, 8, program.CONFIG["vocab_size"]) and np.isfinite(np.asarray(logits)).all()

@@ -1,26 +1,52 @@
-"""The emitted CPU program trains on 8 fake devices, resumes exactly, and shards without changing results."""
+"""The emitted CPU program trains on 8 fake devices, evaluates, logs, resumes exactly, and shards without changing
+results."""
+
+import json
 
 import jax
 import numpy as np
-from tests.conftest import ROOT, train
+from tests.conftest import ROOT, train, train_log
 
+from axgen.cli import main as axgen
 from axgen.interop import load_program
 
 CPU_8 = ROOT / "generated/llama_tiny/cpu_8.py"
+EVAL = ("--eval-every", "10", "--eval-batches", "2")
 
 
-def test_loss_falls_and_resume_matches_uninterrupted_run(corpus, tmp_path):
-    uninterrupted = train(CPU_8, corpus, tmp_path / "a", 20)
-    first_half = train(CPU_8, corpus, tmp_path / "b", 8)
-    second_half = train(CPU_8, corpus, tmp_path / "b", 20)
+def records(run_dir, key):
+    """{step: value} of `key` in run_dir/metrics.jsonl, the last record of a step winning."""
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r[key] for r in map(json.loads, lines) if key in r}
+
+
+def test_loss_falls_and_resume_matches_uninterrupted_run_bit_for_bit(corpus, tmp_path):
+    uninterrupted = train(CPU_8, corpus, tmp_path / "a", 20, *EVAL)
+    train(CPU_8, corpus, tmp_path / "b", 8, *EVAL)
+    second_half = train(CPU_8, corpus, tmp_path / "b", 20, *EVAL)
 
     assert sorted(uninterrupted) == list(range(1, 21))
     assert uninterrupted[20] < uninterrupted[1] - 1.5, uninterrupted
     assert sorted(second_half) == list(range(9, 21)), "the second run must resume at step 9"
-    np.testing.assert_allclose(
-        [second_half[s] for s in range(9, 21)], [uninterrupted[s] for s in range(9, 21)], rtol=1e-6
-    )
-    np.testing.assert_allclose([first_half[s] for s in range(1, 9)], [uninterrupted[s] for s in range(1, 9)])
+    losses = records(tmp_path / "a", "loss")
+    assert sorted(losses) == list(range(1, 21))
+    assert records(tmp_path / "b", "loss") == losses, "the resumed run's losses are the uninterrupted run's"
+    evals = records(tmp_path / "a", "eval_loss")
+    assert sorted(evals) == [10, 20] and evals[20] < evals[10]
+    resumed_evals = records(tmp_path / "b", "eval_loss")
+    assert sorted(resumed_evals) == [8, 10, 20], "each run evaluates at its end"
+    assert (resumed_evals[10], resumed_evals[20]) == (evals[10], evals[20])
+
+
+def test_a_run_logs_metrics_and_tensorboard_events_and_its_report_draws_them(corpus, tmp_path):
+    log = train_log(CPU_8, corpus, tmp_path, 12, "--log-every", "4", *EVAL)
+    assert "eval step 12 | loss" in log and "perplexity" in log and "s left" in log
+    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-2])
+    assert last["step"] == 12 and last["tokens"] == 12 * 16 * 128
+    assert {"loss", "cross_entropy", "grad_norm", "lr", "tokens_per_second", "mfu", "elapsed_s"} <= set(last)
+    assert [p.name.split(".")[0] for p in (tmp_path / "tensorboard").iterdir()] == ["events"]
+    assert axgen(["report", str(tmp_path)]) == 0
+    assert (tmp_path / "report.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_sharded_forward_equals_single_device_forward():

@@ -39,6 +39,11 @@ KERNEL_OPTIONS: dict[str, frozenset[str]] = {
     "cudnn": frozenset({"window"}),  # cuDNN fused attention has a sliding window and no soft-cap
 }
 
+# How each kernel is told where the documents of a packed sequence end: splash takes segment ids and masks by them
+# inside the kernel; jax.nn.dot_product_attention (XLA, and cuDNN through it) takes a dense [batch, 1, seq, seq]
+# mask, which cuDNN applies as a bias.
+DOCUMENT_MASKS: dict[str, str] = {"xla": "dense", "splash": "segment_ids", "cudnn": "dense"}
+
 
 @dataclass(frozen=True)
 class Chip:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from axgen.backends.common import KERNEL_OPTIONS, Plan
+from axgen.backends.common import DOCUMENT_MASKS, KERNEL_OPTIONS, Plan
 from axgen.ir import Graph, GraphError, Node, ScanCall
 from axgen.ir.ops import ScanAttrs
 from axgen.spec import REMAT_POLICIES
@@ -37,11 +37,13 @@ def shard(g: Graph, plan: Plan) -> None:
 
 
 def attention_kernel(g: Graph, plan: Plan) -> None:
-    """The target's kernel, or XLA's path for an attention that needs what the kernel lacks."""
+    """The target's kernel, or XLA's path for an attention that needs what the kernel lacks, and how that kernel
+    keeps each query inside its document."""
     for node in g.nodes(op="attention"):
         needs = {name for name in KERNEL_OPTIONS["xla"] if getattr(node.attrs, name) is not None}
         kernel = plan.attention if needs <= KERNEL_OPTIONS[plan.attention] else "xla"
-        g.update(node, kernel=kernel, block=plan.attention_block if kernel == "splash" else None)
+        block = plan.attention_block if kernel == "splash" else None
+        g.update(node, kernel=kernel, block=block, document_mask=DOCUMENT_MASKS[kernel])
 
 
 def dot_kind(g: Graph, plan: Plan) -> None:

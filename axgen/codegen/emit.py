@@ -77,7 +77,7 @@ def _context(env, graph, plan, spec, passes, spec_path, output_name) -> dict:
         "dcn_mesh_dict": repr(dict(plan.dcn_mesh)),
         "passes_text": " · ".join(p.feature.summary() for p in passes) or "none",
         "lowering_text": _lowering_text(graph, plan),
-        "config": _config(spec, graph),
+        "config": _config(spec, graph, spec_path),
         "params_tree": _params_tree(graph),
         "helpers": _helpers(env, nodes),
         "blocks": [_block(env, graph, region) for region in graph.blocks()],
@@ -115,7 +115,7 @@ def _lowering_text(graph: Graph, plan: Plan) -> str:
     return " · ".join(chosen) + f" ({plan.backend_file})"
 
 
-def _config(spec: Model, graph: Graph) -> list[tuple[str, str, str]]:
+def _config(spec: Model, graph: Graph, spec_path: str) -> list[tuple[str, str, str]]:
     attn, mlp, train, opt = (
         spec.decoder.attention,
         spec.decoder.mlp,
@@ -146,11 +146,7 @@ def _config(spec: Model, graph: Graph) -> list[tuple[str, str, str]]:
         ("grad_clip", train.grad_clip, "global norm"),
         ("seed", train.seed, ""),
         ("checkpoint_every", train.checkpoint_every, "steps"),
-        (
-            "token_dtype",
-            "uint16" if spec.vocab_size <= 2**16 else "uint32",
-            "of the flat token file",
-        ),
+        ("spec", spec_path, "datasets are checked against its vocab_size"),
         (
             "flops_per_token",
             cost.flops_per_token(graph, train.seq_len),
@@ -275,7 +271,8 @@ def _provenance(node: Node, backend_file: str) -> str:
     where = [node.label]
     where += [f"passes/{p}.py" for p in node.passes if p == node.label]
     if node.op == "attention":
-        where.append(f"kernel {node.attrs.kernel} ({backend_file})")
+        mask = {"dense": "dense document mask", "segment_ids": "documents by segment ids"}
+        where.append(f"kernel {node.attrs.kernel}, {mask[node.attrs.document_mask]} ({backend_file})")
     where.append(node.source)
     changed = [f"passes/{p}.py" for p in node.passes if p != node.label]
     if changed:

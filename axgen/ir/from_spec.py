@@ -16,8 +16,18 @@ def from_spec(spec: Model) -> Graph:
     _decoder_block(g, spec)
     src = str(spec.origin)
     embed_type = TensorType.of(("embed", spec.d_model))
-    tokens = g.add("main", "tokens", "input", source=src, label="tokens", type=TensorType.of("batch", "seq"))
-    positions = g.add("main", "positions", "positions", {"tokens": tokens}, source=src, label="tokens")
+    token_type = TensorType.of("batch", "seq")
+    tokens = g.add("main", "tokens", "input", source=src, label="tokens", type=token_type)
+    # Which document of a packed sequence each token belongs to: attention stays inside it, positions restart.
+    segment_ids = g.add("main", "segment_ids", "input", source=src, label="tokens", type=token_type)
+    positions = g.add(
+        "main",
+        "positions",
+        "positions",
+        {"tokens": tokens, "segment_ids": segment_ids},
+        source=src,
+        label="tokens",
+    )
     table_type = TensorType.of(("vocab", spec.vocab_size)).concat(embed_type)
     table = Param("embed", table_type, decay=False, hf=HFWeight("model.embed_tokens.weight"))
     x = g.add("main", "embed", "embed", {"tokens": tokens}, {"table": table}, source=src, label="embedding")
@@ -25,7 +35,7 @@ def from_spec(spec: Model) -> Graph:
         "main",
         BLOCK,
         "scan",
-        {"x": x, "positions": positions},
+        {"x": x, "positions": positions, "segment_ids": segment_ids},
         source=str(spec.decoder.origin),
         label="decoder",
         blocks=(BLOCK,),
@@ -65,8 +75,17 @@ def _decoder_block(g: Graph, spec: Model) -> None:
         label="decoder",
         type=TensorType.of("batch", "seq", d),
     )
-    # Every block receives token positions; passes that need them (rope) find this node by name.
-    g.add(BLOCK, "positions", "input", source=str(decoder.origin), label="decoder", type=TensorType.of("seq"))
+    # Every block receives each token's position in its document and its document's id; passes that need them
+    # (rope) find these nodes by name.
+    for name in ("positions", "segment_ids"):
+        g.add(
+            BLOCK,
+            name,
+            "input",
+            source=str(decoder.origin),
+            label="decoder",
+            type=TensorType.of("batch", "seq"),
+        )
 
     a = str(attn.origin)
     h = _norm(g, BLOCK, "attn_norm", x, decoder.norm, f"{LAYER}.input_layernorm")
@@ -78,8 +97,15 @@ def _decoder_block(g: Graph, spec: Model) -> None:
     q = _linear(g, "q", h, "wq", "self_attn.q_proj", (d, heads, head_dim), a, "attention", "qkv_proj")
     k = _linear(g, "k", h, "wk", "self_attn.k_proj", (d, kv_heads, head_dim), a, "attention", "qkv_proj")
     v = _linear(g, "v", h, "wv", "self_attn.v_proj", (d, kv_heads, head_dim), a, "attention", "qkv_proj")
+    segment_ids = g.node(BLOCK, "segment_ids")
     out = g.add(
-        BLOCK, "attn", "attention", {"q": q, "k": k, "v": v}, source=a, label="attention", causal=True
+        BLOCK,
+        "attn",
+        "attention",
+        {"q": q, "k": k, "v": v, "segment_ids": segment_ids},
+        source=a,
+        label="attention",
+        causal=True,
     )
     out = _linear(
         g, "attn_out", out, "wo", "self_attn.o_proj", (heads, head_dim, d), a, "attention", "out_proj"

@@ -67,15 +67,17 @@ class LmHeadAttrs(DotAttrs):
 
 @dataclass(frozen=True, kw_only=True)
 class AttentionAttrs(Attrs):
-    """Attention over keys at or before each query (`causal`). `window`: a query sees only the last `window`
-    positions, itself included; `softcap`: scores pass through softcap * tanh(score / softcap) before the
-    softmax. `kernel` and `block` are the lowering's: which implementation runs it, and its block length."""
+    """Attention over keys at or before each query (`causal`) of the query's own document (`segment_ids`).
+    `window`: a query sees only the last `window` positions, itself included; `softcap`: scores pass through
+    softcap * tanh(score / softcap) before the softmax. `kernel`, `block` and `document_mask` are the lowering's:
+    which implementation runs it, its block length, and how the kernel is told where documents end."""
 
     causal: bool = True
     window: int | None = None
     softcap: float | None = None
     kernel: str | None = None
     block: int | None = None
+    document_mask: str | None = None
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,9 @@ def _input(ins, attrs, params):
 
 
 def _positions(ins, attrs, params):
-    return TensorType.of("seq")
+    if ins["segment_ids"] != ins["tokens"]:
+        raise ShapeError(f"segment_ids{ins['segment_ids']} differ from tokens{ins['tokens']}")
+    return ins["tokens"]
 
 
 def _embed(ins, attrs, params):
@@ -167,6 +171,8 @@ def _attention(ins, attrs, params):
         )
     if q.size("heads") % k.size("kv_heads") or q.size("head_dim") != k.size("head_dim"):
         raise ShapeError(f"q{q} and k{k} do not group")
+    if ins["segment_ids"].axes != ("batch", "seq"):
+        raise ShapeError(f"segment_ids must be [batch, seq], got {ins['segment_ids']}")
     if attrs.window is not None and attrs.window < 1:
         raise ShapeError(f"window={attrs.window} must be >= 1")
     return q
@@ -242,14 +248,16 @@ def register_op(
 
 
 register_op("input", (), _input, "embed", InputAttrs)
-register_op("positions", ("tokens",), _positions, "embed")
+register_op("positions", ("tokens", "segment_ids"), _positions, "embed")
 register_op("embed", ("tokens",), _embed, "embed")
 register_op("rms_norm", ("x",), _norm, "norm", NormAttrs)
 register_op("layer_norm", ("x",), _norm, "norm", NormAttrs)
 register_op("linear", ("x",), _linear, "linear", DotAttrs, _dot_flops)
 register_op("lm_head", ("x",), _lm_head, "linear", LmHeadAttrs, _lm_head_flops)
-register_op("attention", ("q", "k", "v"), _attention, "attention", AttentionAttrs, _attention_flops)
+register_op(
+    "attention", ("q", "k", "v", "segment_ids"), _attention, "attention", AttentionAttrs, _attention_flops
+)
 register_op("swiglu", ("gate", "up"), same_as("gate", "up"), "mlp")
 register_op("gelu", ("x",), same_as("x"), "mlp")
 register_op("add", ("x", "y"), same_as("x", "y"), "residual")
-register_op("scan", ("x", "positions"), same_as("x"), "scan", ScanAttrs)
+register_op("scan", ("x", "positions", "segment_ids"), same_as("x"), "scan", ScanAttrs)

@@ -19,7 +19,8 @@ register_op("bias", ("x",), _bias, "bias")
 @register("qkv_bias", before=("qk_norm", "rope"))
 def qkv_bias(g: Graph, cfg: QKVBias) -> None:
     for attn in list(g.nodes(op="attention")):
-        for slot, projection in g.inputs(attn).items():
+        for slot in ("q", "k", "v"):
+            projection = g.inputs(attn)[slot]
             hf = HFWeight(f"{LAYER}.self_attn.{slot}_proj.bias")
             b = Param(f"b{slot}", projection.type.drop("batch", "seq"), init="zeros", decay=False, hf=hf)
             g.insert_on_input(attn, slot, Op("bias", params={"b": b}))

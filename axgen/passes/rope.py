@@ -19,8 +19,8 @@ def _rope(ins, attrs, params):
         raise ShapeError(f"rope needs an even trailing head_dim axis, got x{x}")
     if "seq" not in x.axes:
         raise ShapeError(f"rope needs a seq axis, got x{x}")
-    if ins["positions"].axes != ("seq",):
-        raise ShapeError(f"rope needs positions [seq], got {ins['positions']}")
+    if ins["positions"].axes != ("batch", "seq"):
+        raise ShapeError(f"rope needs positions [batch, seq], got {ins['positions']}")
     return x
 
 

@@ -5,11 +5,14 @@
 # Lowering: attention xla (backends/cpu.py)
 """qwen2-7b training program for cpu-8.
 
-Run `python cpu_8.py --data TOKENS --ckpt-dir DIR` to train; import it to call `forward(params, tokens)`.
+Run `python cpu_8.py --data DATASET --run-dir DIR` to train on an `axgen data` directory; import it to call `forward(params, tokens)`.
 """
 
 import argparse
+import collections
+import concurrent.futures
 import dataclasses
+import json
 import math
 import os
 import time
@@ -19,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
+import tensorboardX
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -48,7 +52,7 @@ CONFIG = {
     "grad_clip": 1.0,  # global norm
     "seed": 0,
     "checkpoint_every": 100,  # steps
-    "token_dtype": "uint32",  # of the flat token file
+    "spec": "specs/qwen2_7b.py",  # datasets are checked against its vocab_size
     "flops_per_token": 44887965696,  # 6 x matmul weights used + causal attention
 }
 
@@ -171,6 +175,21 @@ def param_shardings(mesh):
 # --- model ---------------------------------------------------------------------------------------------------
 
 
+def document_mask(segment_ids):
+    """[batch, 1, seq, seq]: whether each query (row) and key (column) lie in the same document."""
+    return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+
+
+def document_positions(segment_ids):
+    """Each token's position in its own document, [batch, seq]: positions restart at every document of a packed
+    sequence, where the segment id changes."""
+    index = jnp.arange(segment_ids.shape[1])
+    starts = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], 1
+    )
+    return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+
+
 def rms_norm(x, scale, eps):
     """x / rms(x) * scale over the last axis, statistics in float32 (as HF Llama computes them)."""
     x32 = x.astype(jnp.float32)
@@ -198,14 +217,14 @@ def rope_frequencies(head_dim, theta, scaling=None):
 def rope(x, positions, theta, scaling=None):
     """Rotary embedding of x [batch, seq, heads, head_dim]: channel halves rotate by position * frequency."""
     inv_freq = rope_frequencies(x.shape[-1], theta, scaling)
-    angles = positions.astype(jnp.float32)[:, None] * inv_freq  # [seq, head_dim / 2]
-    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]  # broadcast over heads
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, seq, head_dim / 2]
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]  # broadcast over heads
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-def decoder_layer(x, p, positions):
-    """One of the 28 layers: x [batch, seq, embed] -> same. `p` holds this layer's params."""
+def decoder_layer(x, p, positions, segment_ids):
+    """One of the 28 layers: x [batch, seq, embed] -> same. `p` holds this layer's params; `positions` and `segment_ids` [batch, seq] say where each token is in which document."""
     # norm · specs/qwen2_7b.py:15
     attn_norm = rms_norm(x, p["attn_norm"], eps=1e-06)  # [batch, seq, embed=3584]
     # attention · specs/qwen2_7b.py:13
@@ -219,9 +238,14 @@ def decoder_layer(x, p, positions):
     # rope · passes/rope.py · specs/qwen2_7b.py:17
     q_bias_rope = rope(q_bias, positions, theta=1000000.0)  # [batch, seq, heads=28, head_dim=128]
     k_bias_rope = rope(k_bias, positions, theta=1000000.0)  # [batch, seq, kv_heads=4, head_dim=128]
-    # attention · kernel xla (backends/cpu.py) · specs/qwen2_7b.py:13 · changed by passes/qkv_bias.py, passes/rope.py
+    # attention · kernel xla, dense document mask (backends/cpu.py) · specs/qwen2_7b.py:13 · changed by passes/qkv_bias.py, passes/rope.py
     attn = jax.nn.dot_product_attention(
-        q_bias_rope, k_bias_rope, v_bias, is_causal=True, implementation=ATTENTION_IMPL
+        q_bias_rope,
+        k_bias_rope,
+        v_bias,
+        mask=document_mask(segment_ids),
+        is_causal=True,
+        implementation=ATTENTION_IMPL,
     )  # [batch, seq, heads=28, head_dim=128]
     # attention · specs/qwen2_7b.py:13
     attn_out = jnp.einsum("bshd,hde->bse", attn, p["wo"])  # [batch, seq, embed=3584]
@@ -239,18 +263,20 @@ def decoder_layer(x, p, positions):
     return x_mlp
 
 
-def forward_with_aux(params, tokens):
+def forward_with_aux(params, tokens, segment_ids=None):
     """tokens [batch, seq] int32 -> (logits [batch, seq, vocab] in COMPUTE_DTYPE, auxiliary losses and metrics,
-    each averaged over the layers that make it)."""
+    each averaged over the layers that make it). `segment_ids` [batch, seq] numbers the documents packed into each
+    row (default: one document per row); a token attends only to its own document's."""
     params = jax.tree.map(lambda w: w.astype(COMPUTE_DTYPE), params)
+    segment_ids = jnp.ones_like(tokens) if segment_ids is None else segment_ids
     # tokens · specs/qwen2_7b.py:7
-    positions = jnp.arange(tokens.shape[1])  # [seq]
+    positions = document_positions(segment_ids)  # [batch, seq]
     # embedding · specs/qwen2_7b.py:7
     embed = jnp.take(params["embed"], tokens, axis=0)  # [batch, seq, embed=3584]
     embed = constrain(embed, ("batch", "seq", "embed"))
     # decoder · specs/qwen2_7b.py:11
     layers, _ = jax.lax.scan(
-        lambda x, p: (decoder_layer(x, p, positions), None), embed, params["layers"]
+        lambda x, p: (decoder_layer(x, p, positions, segment_ids), None), embed, params["layers"]
     )  # [batch, seq, embed=3584]
     # norm · specs/qwen2_7b.py:15
     final_norm = rms_norm(layers, params["final_norm"], eps=1e-06)  # [batch, seq, embed=3584]
@@ -260,22 +286,39 @@ def forward_with_aux(params, tokens):
     return logits, {}
 
 
-def forward(params, tokens):
+def forward(params, tokens, segment_ids=None):
     """tokens [batch, seq] int32 -> logits [batch, seq, vocab] in COMPUTE_DTYPE."""
-    return forward_with_aux(params, tokens)[0]
+    return forward_with_aux(params, tokens, segment_ids)[0]
 
 
 # --- training ------------------------------------------------------------------------------------------------
 
 
-def loss_fn(params, tokens):
-    """Mean next-token cross-entropy over a [batch, seq + 1] window of tokens in float32, plus the auxiliary losses
-    by their weights; returns (loss, metrics)."""
-    logits, aux = forward_with_aux(params, tokens[:, :-1])
-    labels = tokens[:, 1:]
-    cross_entropy = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels).mean()
+def target_losses(params, tokens, segment_ids):
+    """Next-token cross-entropy in float32 of each target of a [batch, seq + 1] window of tokens, whether it counts,
+    and the auxiliary outputs. `segment_ids` [batch, seq + 1] numbers the documents packed into each row, 0 for
+    padding. A target counts when it continues the document of the token that predicts it: padding and the first
+    token of the next document never count."""
+    logits, aux = forward_with_aux(params, tokens[:, :-1], segment_ids[:, :-1])
+    counted = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), tokens[:, 1:])
+    return losses, counted, aux
+
+
+def loss_fn(params, tokens, segment_ids=None):
+    """Mean cross-entropy over the counted targets plus the auxiliary losses by their weights; returns (loss,
+    metrics). Without `segment_ids`, each row is one document."""
+    segment_ids = jnp.ones_like(tokens) if segment_ids is None else segment_ids
+    losses, counted, aux = target_losses(params, tokens, segment_ids)
+    cross_entropy = jnp.sum(losses * counted) / jnp.maximum(counted.sum(), 1)
     loss = cross_entropy + sum(weight * aux[name] for name, weight in AUX_LOSS_WEIGHTS.items())
     return loss, {"cross_entropy": cross_entropy, **aux}
+
+
+def eval_step(params, tokens, segment_ids):
+    """The summed cross-entropy of a batch's counted targets and their number: no gradients, no auxiliary losses."""
+    losses, counted, _ = target_losses(params, tokens, segment_ids)
+    return {"loss_sum": jnp.sum(losses * counted), "targets": counted.sum()}
 
 
 # Linear warmup to the peak rate, cosine decay to min_lr_ratio of it at the last step.
@@ -327,14 +370,17 @@ def state_shardings(mesh):
     return {"step": replicated, "params": params, "opt_state": opt_state}
 
 
-def accumulate_gradients(params, tokens):
+def accumulate_gradients(params, tokens, segment_ids):
     """The whole batch's loss, metrics and gradients, summed over GRAD_ACCUM_STEPS microbatches that lax.scan runs one
     after another, so only one microbatch's activations are alive at a time. Row i goes to microbatch
     i % GRAD_ACCUM_STEPS: every microbatch takes rows from every device, and no tokens move."""
-    microbatches = tokens.reshape(-1, GRAD_ACCUM_STEPS, tokens.shape[1]).swapaxes(0, 1)
-    # Each microbatch counts 1/GRAD_ACCUM_STEPS, so the sums are means over the batch, gradients included.
+    microbatches = jax.tree.map(
+        lambda x: x.reshape(-1, GRAD_ACCUM_STEPS, x.shape[1]).swapaxes(0, 1), (tokens, segment_ids)
+    )
+    # Each microbatch counts 1/GRAD_ACCUM_STEPS, so the sums are means over the batch, gradients included (means of
+    # the microbatches' means: exact when they count the same number of targets).
     grad_fn = jax.value_and_grad(
-        lambda p, t: jax.tree.map(lambda x: x / GRAD_ACCUM_STEPS, loss_fn(p, t)), has_aux=True
+        lambda p, batch: jax.tree.map(lambda x: x / GRAD_ACCUM_STEPS, loss_fn(p, *batch)), has_aux=True
     )
 
     def as_params(grads):
@@ -350,15 +396,16 @@ def accumulate_gradients(params, tokens):
         grads = jax.tree.map(add, totals[1], grads, PARAMS, is_leaf=is_param_spec)
         return (values, as_params(grads)), None
 
-    shapes = jax.eval_shape(grad_fn, params, microbatches[0])
+    shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], microbatches))
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     totals, _ = jax.lax.scan(add_microbatch, (zeros[0], as_params(zeros[1])), microbatches)
     return totals
 
 
-def train_step(state, tokens):
-    """One optimizer step on a [batch, seq + 1] token window; returns the new state and metrics."""
-    (loss, metrics), grads = accumulate_gradients(state["params"], tokens)
+def train_step(state, tokens, segment_ids=None):
+    """One optimizer step on a [batch, seq + 1] token window and its segment ids; returns the new state and metrics."""
+    segment_ids = jnp.ones_like(tokens) if segment_ids is None else segment_ids
+    (loss, metrics), grads = accumulate_gradients(state["params"], tokens, segment_ids)
     # Statistics (params with trained=False, e.g. fp8 amax histories) are not trained: backward returns each one's
     # next value where a gradient would be.
     statistics = grads
@@ -370,38 +417,160 @@ def train_step(state, tokens):
     return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
 
 
+def batch_sharding(mesh, global_batch):
+    """Token windows and their segment ids [batch, seq + 1]: rows split as the rules table splits `batch`."""
+    return NamedSharding(mesh, logical_to_mesh(("batch", "seq"), (global_batch, 1), mesh.shape))
+
+
 def compile_train_step(mesh):
     shardings = state_shardings(mesh)
-    batch = NamedSharding(mesh, logical_to_mesh(("batch", "seq"), (CONFIG["global_batch"], 1), mesh.shape))
+    batch = batch_sharding(mesh, CONFIG["global_batch"])
     return jax.jit(
         train_step,
-        in_shardings=(shardings, batch),
+        in_shardings=(shardings, batch, batch),
         out_shardings=(shardings, NamedSharding(mesh, P())),
         donate_argnums=0,
     )
 
 
-# --- data, checkpoints, main ---------------------------------------------------------------------------------
+def compile_eval_step(mesh):
+    batch = batch_sharding(mesh, CONFIG["global_batch"])
+    replicated = NamedSharding(mesh, P())
+    return jax.jit(
+        eval_step, in_shardings=(state_shardings(mesh)["params"], batch, batch), out_shardings=replicated
+    )
 
 
-class TokenWindows:
-    """Windows of seq + 1 tokens at random offsets of a flat token file, drawn from (seed, step), so a resumed run
-    sees the batches an uninterrupted one would. Each process reads only its own rows of the global batch."""
+# --- data: packed documents from an `axgen data` directory ---------------------------------------------------
 
-    def __init__(self, path, seq_len, global_batch, seed):
-        self.tokens = np.memmap(path, dtype=CONFIG["token_dtype"], mode="r")
-        if len(self.tokens) <= seq_len + 1:
-            raise SystemExit(
-                f"error: {path} holds {len(self.tokens)} tokens, fewer than seq_len + 2 = {seq_len + 2}"
-            )
-        self.seq_len, self.global_batch, self.seed = seq_len, global_batch, seed
+DATASET_FORMAT = "axgen-dataset/1"
+
+
+def read_manifest(directory):
+    """The dataset's manifest.json, after checking that its vocabulary fits this model's embedding."""
+    path = os.path.join(directory, "manifest.json")
+    try:
+        with open(path) as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise SystemExit(
+            f"error: {directory} is not a dataset: it has no manifest.json (`axgen data` makes one)"
+        )
+    except (OSError, ValueError) as err:
+        raise SystemExit(f"error: {path} is unreadable: {err}")
+    if not isinstance(manifest, dict) or manifest.get("format") != DATASET_FORMAT:
+        raise SystemExit(f"error: {path} is not an {DATASET_FORMAT} manifest")
+    vocab = f"vocab_size={CONFIG['vocab_size']} of {CONFIG['spec']}"
+    if manifest["tokenizer"]["vocab_size"] > CONFIG["vocab_size"]:
+        raise SystemExit(
+            f"error: {path}: the tokenizer's {manifest['tokenizer']['vocab_size']} tokens exceed {vocab}"
+        )
+    if manifest["max_token_id"] >= CONFIG["vocab_size"]:
+        raise SystemExit(f"error: {path}: max_token_id {manifest['max_token_id']} is beyond {vocab}")
+    return manifest
+
+
+def open_shard(directory, shard, token_dtype):
+    """A shard's tokens and each document's end offset, memory-mapped, after checking them against the manifest."""
+    arrays = {}
+    for key in ("tokens", "docs"):
+        path = os.path.join(directory, shard[key])
+        try:
+            arrays[key] = np.load(path, mmap_mode="r")
+        except (OSError, ValueError) as err:
+            raise SystemExit(f"error: shard {path} is unreadable: {err}")
+    tokens, ends = arrays["tokens"], arrays["docs"]
+    expected = (shard["num_tokens"],), (shard["num_documents"],)
+    if tokens.dtype != token_dtype or (tokens.shape, ends.shape) != expected or ends[-1] != len(tokens):
+        raise SystemExit(
+            f"error: shard {os.path.join(directory, shard['tokens'])} holds {len(tokens)} {tokens.dtype} tokens"
+            f" in {len(ends)} documents; its manifest says {shard['num_tokens']} {token_dtype} tokens"
+            f" in {shard['num_documents']}"
+        )
+    return tokens, ends
+
+
+class PackedSplit:
+    """One split of a dataset cut into windows of seq_len + 1 tokens. Documents lie back to back in each shard,
+    each ending with EOS, so a window packs whole documents and parts of those at its edges; consecutive windows
+    share one token, so every token is a target once. Each window comes with segment ids that number its documents
+    from 1; a shard's last window is padded with segment 0, which no loss counts."""
+
+    def __init__(self, directory, split, seq_len):
+        manifest = read_manifest(directory)
+        shards = manifest["splits"][split]["shards"]
+        self.shards = [open_shard(directory, shard, manifest["token_dtype"]) for shard in shards]
+        self.seq_len = seq_len
+        windows = [max(1, math.ceil((len(tokens) - 1) / seq_len)) for tokens, _ in self.shards]
+        self.first_window = np.cumsum([0, *windows])
+
+    def __len__(self):
+        return int(self.first_window[-1])
+
+    def window(self, index):
+        """Tokens and segment ids, each [seq_len + 1] int32, of window `index`."""
+        shard = int(np.searchsorted(self.first_window, index, side="right")) - 1
+        tokens, ends = self.shards[shard]
+        start = (index - self.first_window[shard]) * self.seq_len
+        piece = tokens[start : start + self.seq_len + 1]
+        # Documents that end inside the window: the token after each end starts the next segment.
+        first, last = np.searchsorted(ends, [start, start + len(piece) - 1], side="right")
+        starts = np.zeros(len(piece), np.int32)
+        starts[ends[first:last] - start] = 1
+        window, segment_ids = np.zeros((2, self.seq_len + 1), np.int32)
+        window[: len(piece)] = piece
+        segment_ids[: len(piece)] = 1 + np.cumsum(starts)
+        return window, segment_ids
+
+
+class Batches:
+    """The rows of each step's global batch that this process feeds: windows in an order drawn from (seed, epoch),
+    a new one each epoch, so a batch depends only on its step and a resumed run sees the batches an uninterrupted
+    one would. `shuffle=False` keeps the split's order (evaluation); `documents=False` makes each row one
+    document, so attention and positions run across the documents packed into it."""
+
+    def __init__(self, split, global_batch, seed, shuffle=True, documents=True):
+        self.split, self.global_batch, self.seed = split, global_batch, seed
+        self.shuffle, self.documents = shuffle, documents
+        self.orders = {}
+
+    def order(self, epoch):
+        if epoch not in self.orders:  # keeps only the newest epoch's: a batch spans at most two
+            rng = np.random.default_rng([self.seed, epoch])
+            self.orders = {
+                epoch: rng.permutation(len(self.split)) if self.shuffle else np.arange(len(self.split))
+            }
+        return self.orders[epoch]
 
     def local_batch(self, step):
-        rng = np.random.default_rng([self.seed, step])
-        starts = rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.global_batch)
+        """tokens and segment ids [global_batch / processes, seq_len + 1] of this process's rows of `step`."""
         rows = self.global_batch // jax.process_count()
-        mine = starts[jax.process_index() * rows : (jax.process_index() + 1) * rows]
-        return np.stack([self.tokens[s : s + self.seq_len + 1] for s in mine]).astype(np.int32)
+        first = step * self.global_batch + jax.process_index() * rows
+        epochs, offsets = np.divmod(np.arange(first, first + rows), len(self.split))
+        windows = [self.split.window(self.order(e)[i]) for e, i in zip(epochs, offsets)]
+        tokens, segment_ids = (np.stack(arrays) for arrays in zip(*windows))
+        if not self.documents:
+            segment_ids = np.minimum(segment_ids, 1)  # padding stays 0
+        if tokens.max() >= CONFIG["vocab_size"]:  # a manifest that understates its max_token_id
+            raise SystemExit(
+                f"error: step {step} holds token {tokens.max()} >= vocab_size={CONFIG['vocab_size']}"
+            )
+        return tokens, segment_ids
+
+
+def prefetched(make_batch, steps, depth=2):
+    """make_batch(step) for each step, made on a background thread up to `depth` steps ahead of the consumer."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        pending = collections.deque()
+        for step in steps:
+            pending.append(pool.submit(make_batch, step))
+            if len(pending) > depth:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()
+
+
+# --- runtime, checkpoints, metrics, main ---------------------------------------------------------------------
 
 
 def configure_runtime():
@@ -435,13 +604,130 @@ def restore_or_init(manager, mesh, seed):
     return manager.restore(step, args=ocp.args.StandardRestore(abstract)), f"resumed from step {step}"
 
 
+class MetricsLog:
+    """Records for RUN_DIR/metrics.jsonl (appended to, so a resumed run continues it) and for TensorBoard, from
+    process 0 only; `axgen report RUN_DIR` draws them."""
+
+    def __init__(self, run_dir):
+        self.writing = jax.process_index() == 0
+        if self.writing:
+            self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
+            self.tensorboard = tensorboardX.SummaryWriter(os.path.join(run_dir, "tensorboard"))
+
+    def write(self, step, **values):
+        if not self.writing:
+            return
+        record = {"step": step, **{name: value for name, value in values.items() if value is not None}}
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+        for name, value in record.items():
+            if name != "step":
+                self.tensorboard.add_scalar(name, value, step)
+
+    def close(self):
+        if self.writing:
+            self.jsonl.close()
+            self.tensorboard.close()
+
+
+class Progress:
+    """The progress line (loss, learning rate, gradient norm, tokens/s, MFU, time left) and the metrics log's
+    records. The first step's line times compilation; throughput counts from there."""
+
+    def __init__(self, log, start, end, tokens_per_step):
+        self.log, self.end, self.tokens_per_step = log, end, tokens_per_step
+        self.began = self.last_time = time.perf_counter()
+        self.first = self.last_step = start
+
+    def train(self, step, metrics):
+        now = time.perf_counter()
+        if step == self.first + 1:
+            throughput, speed = f"compiled and ran in {now - self.began:.1f}s", {}
+        else:
+            seconds_per_step = (now - self.last_time) / (step - self.last_step)
+            tokens_per_second = self.tokens_per_step / seconds_per_step
+            mfu = tokens_per_second * CONFIG["flops_per_token"] / (jax.device_count() * PEAK_FLOPS_PER_DEVICE)
+            left = (self.end - step) * seconds_per_step
+            throughput = f"tokens/s {tokens_per_second:.0f} | mfu {mfu:.2%} | {left:.0f}s left"
+            speed = {"tokens_per_second": tokens_per_second, "mfu": mfu}
+        self.last_time, self.last_step = now, step
+        print(
+            f"step {step} | loss {metrics['loss']:.4f} | grad_norm {metrics['grad_norm']:.3f}"
+            f" | lr {metrics['lr']:.2e} | {throughput}"
+            + "".join(f" | {name} {metrics[name]:.4f}" for name in LOGGED_METRICS),
+            flush=True,
+        )
+        values = {name: float(value) for name, value in metrics.items()}
+        memory = device_memory()
+        self.log.write(
+            step,
+            elapsed_s=now - self.began,
+            tokens=step * self.tokens_per_step,
+            memory_bytes=memory,
+            **values,
+            **speed,
+        )
+
+    def eval(self, step, loss, targets):
+        print(
+            f"eval step {step} | loss {loss:.4f} | perplexity {math.exp(loss):.2f} | targets {targets}",
+            flush=True,
+        )
+        elapsed = time.perf_counter() - self.began
+        self.log.write(
+            step, elapsed_s=elapsed, eval_loss=loss, eval_perplexity=math.exp(loss), eval_tokens=targets
+        )
+
+
+def device_memory():
+    """Peak bytes in use on this process's first device, or None where the platform does not say (CPU)."""
+    stats = jax.local_devices()[0].memory_stats()
+    return stats.get("peak_bytes_in_use") if stats else None
+
+
+def evaluate(eval_fn, params, data, batch_sharding, num_batches):
+    """Mean cross-entropy over the first `num_batches` batches of the eval split, in its stored order, and the
+    number of targets it counts."""
+    loss_sum, targets = 0.0, 0
+    for step in range(num_batches):
+        batch = (jax.make_array_from_process_local_data(batch_sharding, x) for x in data.local_batch(step))
+        sums = jax.device_get(eval_fn(params, *batch))
+        loss_sum, targets = loss_sum + float(sums["loss_sum"]), targets + int(sums["targets"])
+    return loss_sum / max(targets, 1), targets
+
+
+def positive(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--data", required=True, help=f"flat {CONFIG['token_dtype']} token file")
-    parser.add_argument("--ckpt-dir", required=True, help="orbax checkpoints; the newest one is resumed")
+    parser.add_argument("--data", required=True, help="dataset directory written by `axgen data`")
+    parser.add_argument(
+        "--run-dir", required=True, help="checkpoints (the newest is resumed), metrics.jsonl, TensorBoard"
+    )
     parser.add_argument("--steps", type=int, default=CONFIG["steps"], help="stop after this global step")
-    parser.add_argument("--batch", type=int, default=CONFIG["global_batch"], help="global batch in sequences")
-    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument(
+        "--batch", type=positive, default=CONFIG["global_batch"], help="global batch in sequences"
+    )
+    parser.add_argument("--log-every", type=positive, default=10)
+    parser.add_argument(
+        "--eval-every", type=int, default=0, help="steps between evaluations, and one at the end (0: none)"
+    )
+    parser.add_argument(
+        "--eval-batches", type=positive, default=10, help="at most this many batches per evaluation"
+    )
+    parser.add_argument(
+        "--eval-data", help="dataset directory to evaluate on (default: the eval split of --data)"
+    )
+    parser.add_argument(
+        "--no-document-mask",
+        action="store_true",
+        help="let attention and positions run across the documents packed into a sequence",
+    )
     args = parser.parse_args(argv)
     if args.batch % GRAD_ACCUM_STEPS:
         parser.error(
@@ -450,55 +736,60 @@ def parse_args(argv):
     return args
 
 
+def open_data(args):
+    """The training batches and, when evaluating, the eval batches: every dataset is checked before jax starts."""
+    train = PackedSplit(args.data, "train", CONFIG["seq_len"])
+    documents = not args.no_document_mask
+    batches = Batches(train, args.batch, CONFIG["seed"], documents=documents)
+    if not args.eval_every:
+        return batches, None, 0
+    split = PackedSplit(args.eval_data or args.data, "eval", CONFIG["seq_len"])
+    if not len(split.shards):
+        raise SystemExit(
+            f"error: {args.eval_data or args.data} has no eval split: pass --eval-data, or make one with `axgen data --eval-fraction`"
+        )
+    # Whole batches of the split in order, so every evaluation sees the same windows.
+    num_batches = min(args.eval_batches, max(1, len(split) // args.batch))
+    return (
+        batches,
+        Batches(split, args.batch, CONFIG["seed"], shuffle=False, documents=documents),
+        num_batches,
+    )
+
+
 def main(argv=None):
     args = parse_args(argv)
+    train_data, eval_data, eval_batches = open_data(args)
     configure_runtime()
     CONFIG["global_batch"] = args.batch
     mesh = make_mesh()
-    data = TokenWindows(args.data, CONFIG["seq_len"], args.batch, CONFIG["seed"])
+    os.makedirs(args.run_dir, exist_ok=True)
+    checkpoints = os.path.abspath(os.path.join(args.run_dir, "checkpoints"))
     options = ocp.CheckpointManagerOptions(save_interval_steps=CONFIG["checkpoint_every"], max_to_keep=3)
-    with (
-        jax.set_mesh(mesh),
-        ocp.CheckpointManager(os.path.abspath(args.ckpt_dir), options=options) as manager,
-    ):
+    log = MetricsLog(args.run_dir)
+    with jax.set_mesh(mesh), ocp.CheckpointManager(checkpoints, options=options) as manager:
         state, origin = restore_or_init(manager, mesh, CONFIG["seed"])
-        step_fn = compile_train_step(mesh)
-        batch_sharding = NamedSharding(mesh, logical_to_mesh(("batch", "seq"), (args.batch, 1), mesh.shape))
-        start, began = int(state["step"]), time.perf_counter()
+        step_fn, eval_fn = compile_train_step(mesh), compile_eval_step(mesh)
+        sharding = batch_sharding(mesh, args.batch)
+        start = int(state["step"])
         print(f"{CONFIG['model']} on {jax.device_count()} devices, mesh {MESH_SHAPE}: {origin}", flush=True)
-        tokens_per_step = args.batch * CONFIG["seq_len"]
-        for step in range(start, args.steps):
-            tokens = jax.make_array_from_process_local_data(batch_sharding, data.local_batch(step))
-            state, metrics = step_fn(state, tokens)
+        progress = Progress(log, start, args.steps, args.batch * CONFIG["seq_len"])
+        steps = range(start, args.steps)
+        for step, local_batch in zip(steps, prefetched(train_data.local_batch, steps)):
+            state, metrics = step_fn(
+                state, *(jax.make_array_from_process_local_data(sharding, x) for x in local_batch)
+            )
             done = step + 1
-            if step == start:  # the first step compiles; time the rest from here
-                metrics = jax.device_get(metrics)
-                print(
-                    f"step {done} | loss {metrics['loss']:.4f} | compiled and ran in {time.perf_counter() - began:.1f}s",
-                    flush=True,
-                )
-                last_time, last_step = time.perf_counter(), done
-            elif done % args.log_every == 0 or done == args.steps:
-                metrics = jax.device_get(metrics)
-                now = time.perf_counter()
-                tokens_per_second = tokens_per_step * (done - last_step) / (now - last_time)
-                last_time, last_step = now, done
-                mfu = (
-                    tokens_per_second
-                    * CONFIG["flops_per_token"]
-                    / (jax.device_count() * PEAK_FLOPS_PER_DEVICE)
-                )
-                print(
-                    f"step {done} | loss {metrics['loss']:.4f} | grad_norm {metrics['grad_norm']:.3f}"
-                    f" | lr {metrics['lr']:.2e} | tokens/s {tokens_per_second:.0f} | mfu {mfu:.2%}"
-                    + "".join(f" | {name} {metrics[name]:.4f}" for name in LOGGED_METRICS),
-                    flush=True,
-                )
+            if step == start or done % args.log_every == 0 or done == args.steps:
+                progress.train(done, jax.device_get(metrics))
+            if eval_data and (done % args.eval_every == 0 or done == args.steps):
+                progress.eval(done, *evaluate(eval_fn, state["params"], eval_data, sharding, eval_batches))
             manager.save(done, args=ocp.args.StandardSave(state))
         if manager.latest_step() != int(state["step"]):
             manager.save(int(state["step"]), args=ocp.args.StandardSave(state), force=True)
         manager.wait_until_finished()
-        print(f"checkpoint: step {manager.latest_step()} in {args.ckpt_dir}", flush=True)
+        log.close()
+        print(f"checkpoint: step {manager.latest_step()} in {checkpoints}", flush=True)
 
 
 if __name__ == "__main__":

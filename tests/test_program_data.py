@@ -1,0 +1,144 @@
+"""The emitted program's reader of `axgen data` directories: windows, order, shares, and the checks it makes
+before the first step."""
+
+import json
+
+import numpy as np
+import pytest
+from tests.conftest import ROOT
+
+from axgen.data import write_dataset
+from axgen.interop import load_program
+
+PROGRAM = ROOT / "generated/llama_tiny/cpu_1.py"
+
+
+@pytest.fixture(scope="module")
+def program():
+    return load_program(PROGRAM)
+
+
+def documents(count=40, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, 256, rng.integers(5, 300)) for _ in range(count)]
+
+
+def test_windows_cover_every_token_once_as_a_target_with_documents_numbered(program, tmp_path):
+    docs = documents()
+    write_dataset(
+        tmp_path / "d", docs, vocab_size=256, bos_id=None, eos_id=0, eval_fraction=0, shard_tokens=3000
+    )
+    split = program.PackedSplit(tmp_path / "d", "train", seq_len=64)
+    assert len(split.shards) > 1, "the test spans shards"
+
+    stream, targets = [], 0
+    for index in range(len(split)):
+        tokens, segment_ids = split.window(index)
+        real = segment_ids > 0
+        first_of_shard = index in split.first_window
+        stream.append(tokens[real] if first_of_shard else tokens[real][1:])  # windows share one token
+        targets += real[1:].sum()
+        ends = np.flatnonzero(np.diff(segment_ids[real]))
+        assert np.all(tokens[real][ends] == 0), "a segment ends where its document's EOS is"
+        assert segment_ids[0] == 1 and np.all(np.diff(segment_ids[real]) >= 0)
+    expected = np.concatenate([np.append(d, 0) for d in docs])
+    assert targets == len(expected) - len(split.shards), "every token but each shard's first is a target once"
+    np.testing.assert_array_equal(np.concatenate(stream), expected)
+
+
+def test_order_is_seeded_per_epoch_and_shared_between_processes(program, tmp_path, monkeypatch):
+    write_dataset(tmp_path / "d", documents(), vocab_size=256, bos_id=None, eos_id=0, eval_fraction=0)
+    split = program.PackedSplit(tmp_path / "d", "train", seq_len=32)
+    batches = program.Batches(split, global_batch=8, seed=3)
+    steps_per_epoch = len(split) // 8
+    epoch = [tuple(map(tuple, batches.local_batch(step)[0])) for step in range(steps_per_epoch)]
+    assert (
+        len({row for batch in epoch for row in batch}) == steps_per_epoch * 8
+    ), "no window twice in an epoch"
+    again = program.Batches(split, global_batch=8, seed=3).local_batch(steps_per_epoch + 1)[0]
+    assert not np.array_equal(again, batches.local_batch(1)[0]), "each epoch draws a new order"
+    np.testing.assert_array_equal(
+        program.Batches(split, 8, seed=3).local_batch(5)[0], batches.local_batch(5)[0]
+    )
+    assert not np.array_equal(program.Batches(split, 8, seed=4).local_batch(5)[0], batches.local_batch(5)[0])
+
+    whole = batches.local_batch(7)[0]
+    monkeypatch.setattr(program.jax, "process_count", lambda: 2)
+    shares = []
+    for index in (0, 1):
+        monkeypatch.setattr(program.jax, "process_index", lambda index=index: index)
+        shares.append(program.Batches(split, 8, seed=3).local_batch(7)[0])
+    np.testing.assert_array_equal(np.concatenate(shares), whole)
+
+
+def test_without_document_masking_rows_are_one_segment_and_padding_stays_out(program, tmp_path):
+    write_dataset(tmp_path / "d", documents(3), vocab_size=256, bos_id=None, eos_id=0, eval_fraction=0)
+    split = program.PackedSplit(tmp_path / "d", "train", seq_len=512)
+    _, masked = program.Batches(split, 1, seed=0).local_batch(0)
+    _, merged = program.Batches(split, 1, seed=0, documents=False).local_batch(0)
+    assert masked.max() > 1 and set(np.unique(merged)) <= {0, 1}
+    np.testing.assert_array_equal(merged == 0, masked == 0)
+
+
+def run_main(program, *args):
+    with pytest.raises(SystemExit) as exit_info:
+        program.main(["--run-dir", "unused", "--steps", "1", *map(str, args)])
+    return str(exit_info.value)
+
+
+def test_a_vocabulary_beyond_the_spec_is_refused_naming_both_numbers_and_files(program, tmp_path):
+    write_dataset(
+        tmp_path / "big", [np.array([600, 3])], vocab_size=700, bos_id=None, eos_id=1, eval_fraction=0
+    )
+    message = run_main(program, "--data", tmp_path / "big")
+    assert (
+        f"{tmp_path / 'big' / 'manifest.json'}: the tokenizer's 700 tokens exceed vocab_size=512" in message
+    )
+    assert "specs/llama_tiny.py" in message
+
+    write_dataset(
+        tmp_path / "ids", [np.array([3, 4])], vocab_size=256, bos_id=None, eos_id=0, eval_fraction=0
+    )
+    manifest = json.loads((tmp_path / "ids/manifest.json").read_text())
+    manifest["max_token_id"] = 9000
+    (tmp_path / "ids/manifest.json").write_text(json.dumps(manifest))
+    assert "max_token_id 9000 is beyond vocab_size=512 of specs/llama_tiny.py" in run_main(
+        program, "--data", tmp_path / "ids"
+    )
+
+
+def test_a_token_the_manifest_hides_never_reaches_the_embedding(program, tmp_path):
+    write_dataset(
+        tmp_path / "d", [np.array([3, 4, 5])], vocab_size=256, bos_id=None, eos_id=0, eval_fraction=0
+    )
+    np.save(
+        tmp_path / "d/train-00000.tokens.npy", np.array([3, 700, 5, 0], np.uint16)
+    )  # the manifest says max 5
+    split = program.PackedSplit(tmp_path / "d", "train", seq_len=4)
+    with pytest.raises(SystemExit, match="step 0 holds token 700 >= vocab_size=512"):
+        program.Batches(split, 1, seed=0).local_batch(0)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing", "resized"])
+def test_a_damaged_shard_is_named(program, tmp_path, damage):
+    write_dataset(tmp_path / "d", documents(), vocab_size=256, bos_id=None, eos_id=0, eval_fraction=0)
+    shard = tmp_path / "d/train-00000.tokens.npy"
+    if damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[:-100])
+    elif damage == "missing":
+        shard.unlink()
+    else:
+        np.save(shard, np.load(shard)[:-3])
+    assert f"shard {shard}" in run_main(program, "--data", tmp_path / "d")
+
+
+def test_a_directory_that_is_not_a_dataset_is_named(program, tmp_path):
+    assert f"{tmp_path} is not a dataset: it has no manifest.json" in run_main(program, "--data", tmp_path)
+    (tmp_path / "manifest.json").write_text("{not json")
+    assert f"{tmp_path / 'manifest.json'} is unreadable" in run_main(program, "--data", tmp_path)
+
+
+def test_evaluation_needs_an_eval_split(program, tmp_path):
+    write_dataset(tmp_path / "d", documents(), vocab_size=256, bos_id=None, eos_id=0, eval_fraction=0)
+    message = run_main(program, "--data", tmp_path / "d", "--eval-every", "5")
+    assert f"{tmp_path / 'd'} has no eval split" in message
