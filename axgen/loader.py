@@ -76,5 +76,8 @@ def _describe(err: Exception) -> str:
     missing = _MISSING.search(message)
     if missing:
         cls_name, names = missing.groups()
-        return f"{cls_name} needs {names.replace(' and ', ', ')} (they have no default)"
+        hf_keys = getattr(getattr(spec_module, cls_name, None), "HF_KEYS", {})
+        sources = [f"{name}: {hf_keys[name]}" for name in re.findall(r"'(\w+)'", names) if name in hf_keys]
+        where = f"; Hugging Face configs give {', '.join(sources)}" if sources else ""
+        return f"{cls_name} needs {names.replace(' and ', ', ')} (they have no default{where})"
     return f"{type(err).__name__}: {message}"

@@ -134,6 +134,9 @@ class SpecNode:
     """Base of every spec object: records its origin, normalises lists to tuples, checks types, validates."""
 
     origin: Origin | None = field(default=None, compare=False, repr=False)
+    # The Hugging Face config key that supplies each field whose value changes a model's numbers: such a field has
+    # no default, and the error for a missing one names the key.
+    HF_KEYS: typing.ClassVar[dict[str, str]] = {}
 
     def __post_init__(self) -> None:
         if self.origin is None:
@@ -220,7 +223,8 @@ def _type_name(expected) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class RMSNorm(SpecNode):
-    eps: float = 1e-5
+    HF_KEYS = {"eps": "rms_norm_eps"}
+    eps: float
 
     def validate(self) -> None:
         self.require_positive("eps")
@@ -228,7 +232,8 @@ class RMSNorm(SpecNode):
 
 @dataclass(frozen=True, kw_only=True)
 class LayerNorm(SpecNode):
-    eps: float = 1e-5
+    HF_KEYS = {"eps": "layer_norm_eps"}
+    eps: float
 
     def validate(self) -> None:
         self.require_positive("eps")
@@ -250,8 +255,9 @@ class Attention(SpecNode):
 
 @dataclass(frozen=True, kw_only=True)
 class MLP(SpecNode):
+    HF_KEYS = {"hidden_dim": "intermediate_size", "activation": "hidden_act (silu: swiglu)"}
     hidden_dim: int
-    activation: str = "swiglu"
+    activation: str
 
     def validate(self) -> None:
         self.require_positive("hidden_dim")
@@ -269,7 +275,7 @@ class Decoder(SpecNode):
     num_layers: int
     attention: Attention
     mlp: MLP
-    norm: RMSNorm | LayerNorm = field(default_factory=RMSNorm)
+    norm: RMSNorm | LayerNorm
 
     def validate(self) -> None:
         self.require_positive("num_layers")
@@ -353,10 +359,16 @@ class Feature(SpecNode):
 class RopeScaling(SpecNode):
     """Llama-3 frequency scaling: long wavelengths slowed by `factor`, short kept, a smooth band between."""
 
+    HF_KEYS = {
+        "factor": "rope_scaling.factor",
+        "low_freq_factor": "rope_scaling.low_freq_factor",
+        "high_freq_factor": "rope_scaling.high_freq_factor",
+        "original_max_position": "rope_scaling.original_max_position_embeddings",
+    }
     factor: float
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position: int
 
     def __str__(self) -> str:
         return (
@@ -375,7 +387,8 @@ class RoPE(Feature):
     """Rotary position embeddings on queries and keys (rotate-half layout, as in HF Llama)."""
 
     pass_name: typing.ClassVar[str] = "rope"
-    theta: float = 10_000.0
+    HF_KEYS = {"theta": "rope_theta (transformers 5: rope_parameters.rope_theta)"}
+    theta: float
     scaling: RopeScaling | None = None
 
     def validate(self) -> None:
@@ -394,20 +407,27 @@ class MoE(Feature):
     k probabilities as they are, as Qwen1.5-MoE's `norm_topk_prob=False`). Dropless when `capacity_factor` is
     None; otherwise each expert takes `top_k * seq * capacity_factor / num_experts` tokens of a sequence and drops
     the rest. The training loss adds `aux_loss_weight` times the Switch Transformer load-balancing loss and
-    `router_z_loss_weight` times the ST-MoE router z-loss. The experts' width is `Decoder.mlp.hidden_dim`.
+    `router_z_loss_weight` times the ST-MoE router z-loss; both are needed only to train. The experts' width is
+    `Decoder.mlp.hidden_dim`.
 
     `shared_hidden_dim` adds a shared expert that every token takes: the decoder's MLP at that width, added to
     the routed experts' output (DeepSeek-MoE), scaled by sigmoid(x . w) when `shared_gate` (Qwen2-MoE).
     """
 
     pass_name: typing.ClassVar[str] = "moe"
+    HF_KEYS = {
+        "num_experts": "num_local_experts or num_experts",
+        "top_k": "num_experts_per_tok",
+        "renormalize": "norm_topk_prob (Mixtral: true)",
+        "aux_loss_weight": "router_aux_loss_coef",
+    }
     num_experts: int
-    top_k: int = 2
+    top_k: int
+    renormalize: bool
     capacity_factor: float | None = None
     every: int = 1
-    aux_loss_weight: float
-    router_z_loss_weight: float
-    renormalize: bool = True
+    aux_loss_weight: float | None = None
+    router_z_loss_weight: float | None = None
     shared_hidden_dim: int | None = None
     shared_gate: bool = False
 
@@ -424,7 +444,7 @@ class MoE(Feature):
         if self.capacity_factor is not None and self.capacity_factor <= 0:
             self.fail("capacity_factor", "must be > 0 (or None for dropless routing)")
         for name in ("aux_loss_weight", "router_z_loss_weight"):
-            if getattr(self, name) < 0:
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 self.fail(name, "must be >= 0")
 
     def unremarkable(self) -> tuple[str, ...]:
@@ -433,6 +453,12 @@ class MoE(Feature):
     def check_model(self, model: Model) -> None:
         if model.decoder.num_layers % self.every:
             self.fail("every", f"does not divide Decoder.num_layers={model.decoder.num_layers}")
+        if model.train is not None:
+            for name in ("aux_loss_weight", "router_z_loss_weight"):
+                if getattr(self, name) is None:
+                    self.fail(
+                        name, "is needed to train (the model has a Train block); 0.0 turns the loss off"
+                    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -653,7 +679,7 @@ class Model(SpecNode):
     vocab_size: int
     d_model: int
     decoder: Decoder
-    train: Train
+    train: Train | None = None  # needed to build a training program, not to load or run weights
     features: tuple[Feature, ...] = ()
     targets: tuple[str, ...] = ()
     mesh_rules: tuple[MeshRule, ...] = ()  # tried before the backend's rules

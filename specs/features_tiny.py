@@ -6,7 +6,7 @@ CPU and TPU, fp8 on H100.
 """
 
 from axgen.spec import features as F
-from specs.moe_tiny import spec as moe_tiny
+from axgen.specs.moe_tiny import spec as moe_tiny
 
 rope, moe = moe_tiny.features
 

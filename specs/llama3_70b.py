@@ -1,7 +1,7 @@
 """Llama 3 70B: the 8B recipe at 8192 wide and 80 deep with 64 query heads, derived rather than copied."""
 
 from axgen.spec import MeshRule, Remat
-from specs.llama3_8b import spec as llama3_8b
+from axgen.specs.llama3_8b import spec as llama3_8b
 
 spec = llama3_8b.replace(
     name="llama3-70b",

@@ -3,7 +3,7 @@
 Derived from Llama 3 8B: only what differs is written here."""
 
 from axgen.spec import features as F
-from specs.llama3_8b import spec as llama3_8b
+from axgen.specs.llama3_8b import spec as llama3_8b
 
 spec = llama3_8b.replace(
     name="mistral-7b",

@@ -6,13 +6,13 @@ context (no sliding window) with RoPE theta 1e6.
 
 from axgen.spec import MeshRule
 from axgen.spec import features as F
-from specs.mistral_7b import spec as mistral_7b
+from axgen.specs.mistral_7b import spec as mistral_7b
 
 spec = mistral_7b.replace(
     name="mixtral-8x7b",
     features=[
         F.rope(theta=1_000_000.0),
-        F.moe(num_experts=8, top_k=2, aux_loss_weight=0.02, router_z_loss_weight=0.001),
+        F.moe(num_experts=8, top_k=2, renormalize=True, aux_loss_weight=0.02, router_z_loss_weight=0.001),
     ],
     targets=["tpu-v5p-256", "gpu-h100-64", "cpu-8"],
     # 750 GB of weights and Adam moments fit 80 GiB GPUs only when sharded over all 64, not 8 per host.

@@ -4,7 +4,7 @@
 
 from axgen.spec import MeshRule
 from axgen.spec import features as F
-from specs.qwen2_7b import spec as qwen2_7b
+from axgen.specs.qwen2_7b import spec as qwen2_7b
 
 spec = qwen2_7b.replace(
     name="qwen2-moe-a2.7b",

@@ -2,7 +2,7 @@
 RoPE (HF Qwen/Qwen3-8B's config.json). Derived from Qwen2 7B: only what differs is written here."""
 
 from axgen.spec import features as F
-from specs.qwen2_7b import spec as qwen2_7b
+from axgen.specs.qwen2_7b import spec as qwen2_7b
 
 spec = qwen2_7b.replace(
     name="qwen3-8b",

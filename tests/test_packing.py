@@ -15,7 +15,7 @@ from axgen.interop import load_program
 FEATURES = {
     "plain": None,
     "window+softcap": "F.sliding_window(window=16), F.softcap(attention=5.0, final=3.0), F.qk_norm(eps=1e-6)",
-    "gemma+moe": "F.gemma_block(), F.moe(num_experts=4, top_k=2, aux_loss_weight=0.01, router_z_loss_weight=0.001)",
+    "gemma+moe": "F.gemma_block(), F.moe(num_experts=4, top_k=2, renormalize=True, aux_loss_weight=0.01, router_z_loss_weight=0.001)",
 }
 
 

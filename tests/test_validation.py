@@ -1,5 +1,9 @@
 """Bad specs and bad commands: one line naming the field, the value and the spec file:line; exit 2; no output."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from axgen.cli import main as axgen
@@ -62,7 +66,7 @@ BAD_SPECS = [
     (
         "duplicate_feature",
         "features=[F.rope(theta=10_000.0)]",
-        "features=[F.rope(), F.rope()]",
+        "features=[F.rope(theta=1.0), F.rope(theta=2.0)]",
         14,
         "Model.features has 'rope' twice (first at specs/bad_duplicate_feature.py:14)",
     ),
@@ -83,7 +87,7 @@ BAD_SPECS = [
     (
         "moe_top_k",
         "F.rope(theta=10_000.0)",
-        "F.moe(num_experts=4, top_k=5, aux_loss_weight=0.01, router_z_loss_weight=0.0)",
+        "F.moe(num_experts=4, top_k=5, renormalize=True, aux_loss_weight=0.01, router_z_loss_weight=0.0)",
         14,
         "MoE.top_k=5 must be <= num_experts=4",
     ),
@@ -92,7 +96,23 @@ BAD_SPECS = [
         "F.rope(theta=10_000.0)",
         "F.moe(num_experts=4)",
         14,
-        "MoE needs 'aux_loss_weight', 'router_z_loss_weight' (they have no default)",
+        "MoE needs 'top_k', 'renormalize' (they have no default; Hugging Face configs give top_k: "
+        "num_experts_per_tok, renormalize: norm_topk_prob (Mixtral: true))",
+    ),
+    (
+        "moe_weights_to_train",
+        "F.rope(theta=10_000.0)",
+        "F.moe(num_experts=4, top_k=2, renormalize=True)",
+        14,
+        "MoE.aux_loss_weight=None is needed to train (the model has a Train block); 0.0 turns the loss off",
+    ),
+    (
+        "rope_theta",
+        "F.rope(theta=10_000.0)",
+        "F.rope()",
+        14,
+        "RoPE needs 'theta' (they have no default; Hugging Face configs give theta: rope_theta "
+        "(transformers 5: rope_parameters.rope_theta))",
     ),
     ("qk_norm_eps", "F.rope(theta=10_000.0)", "F.qk_norm()", 14, "QKNorm needs 'eps' (they have no default)"),
     (
@@ -230,3 +250,21 @@ def test_gemma_block_needs_a_gated_mlp(tmp_path):
         SpecError, match=r"^specs/bad_gemma.py:11: MLP.activation='gelu' must be swiglu for gemma"
     ):
         load_spec(path)
+
+
+def test_a_spec_anywhere_derives_from_a_bundled_one_through_axgen_specs(tmp_path):
+    """`axgen.specs` is installed with axgen: no PYTHONPATH, no checkout on sys.path, any working directory."""
+    (tmp_path / "long_llama.py").write_text(
+        "from axgen.specs.llama3_8b import spec as llama3\n"
+        "spec = llama3.replace(name='long-llama', train=llama3.train.replace(seq_len=16_384))\n"
+    )
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    result = subprocess.run(
+        [sys.executable, "-m", "axgen.cli", "graph", "long_llama.py", "--target", "cpu-8", "--after", "spec"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("graph long-llama\n")

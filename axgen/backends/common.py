@@ -128,6 +128,8 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
         (axis, size * slices if axis == "data" else size)
         for axis, size in _mesh_shape(rule, per_slice, slices, target)
     )
+    if spec.train is None:
+        raise SpecError(f"{spec.origin}: Model.train is needed to build a training program (for {target})")
     batch_shards = math.prod(n for a, n in mesh if a in dict(LOGICAL_AXIS_RULES)["batch"])
     per_device_batch = spec.train.global_batch // batch_shards
     if spec.train.global_batch % batch_shards:

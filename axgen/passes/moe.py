@@ -61,9 +61,10 @@ def moe(g: Graph, cfg: MoE) -> None:
         logits = g.add(block, "router", "linear", {"x": h}, {"w": router})
         mlp_weights = [p for n in mlp.nodes for p in n.params.values()]
         weights = {p.key: _expert(p, experts, len(mlp_weights) == 3) for p in mlp_weights}
+        # A spec without a Train block may leave the weights out (MoE.check_model): it only runs forward.
         losses = {
-            "load_balance_loss": cfg.aux_loss_weight,
-            "router_z_loss": cfg.router_z_loss_weight,
+            "load_balance_loss": cfg.aux_loss_weight or 0.0,
+            "router_z_loss": cfg.router_z_loss_weight or 0.0,
         }
         aux = (*losses, "dropped_fraction") if cfg.capacity_factor else tuple(losses)
         out = g.add(
