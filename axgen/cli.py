@@ -1,4 +1,5 @@
-"""`axgen build | graph | explain | aot | targets | corpus | data | tokenizer train | report`: the command line.
+"""`axgen build | graph | explain | aot | targets | corpus | data | tokenizer train | report | import-hf |
+convert-hf`: the command line.
 Errors are one line and exit 2."""
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from axgen.build import build, default_output, lowered, write_atomically
 from axgen.corpus import write_corpus
 from axgen.data import DataError, ReadOptions, build_dataset, summary
 from axgen.explain import explain, render
-from axgen.ir import GraphError
+from axgen.hf_import import HFImportError, TrainChoices, import_hf
+from axgen.hf_weights import convert_hf
+from axgen.interop import CheckpointError
+from axgen.ir import GraphError, cost, from_spec
 from axgen.loader import load_spec
-from axgen.passes import PassError
+from axgen.passes import PassError, run_passes
 from axgen.report import ReportError, write_report
 from axgen.spec import SpecError
 from axgen.tokenizer import load_tokenizer, train_tokenizer
@@ -31,7 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return args.run(args)
-    except (SpecError, GraphError, PassError, AotError, DataError, ReportError) as err:
+    except (
+        SpecError,
+        GraphError,
+        PassError,
+        AotError,
+        DataError,
+        ReportError,
+        HFImportError,
+        CheckpointError,
+    ) as err:
         print(f"axgen: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -110,6 +123,30 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("run_dir", type=Path, help="the --run-dir of an emitted program's run")
     r.add_argument("--out", type=Path, help="PNG to write (default RUN_DIR/report.png)")
     r.set_defaults(run=_report)
+
+    h = sub.add_parser("import-hf", help="write a spec file from a Hugging Face config.json")
+    h.add_argument("config", type=Path, help="config.json, or a folder holding one")
+    h.add_argument("--out", type=Path, required=True, help="spec file to write, e.g. specs/my_model.py")
+    h.add_argument("--name", help="the model's name (default: from --out, my_model.py -> my-model)")
+    h.add_argument(
+        "--seq-len", type=int, help="Train.seq_len (default: max_position_embeddings, at most 4096)"
+    )
+    h.add_argument("--batch", type=int, default=8, help="Train.global_batch (8)")
+    h.add_argument("--lr", type=float, default=1e-5, help="peak learning rate (1e-5, for fine-tuning)")
+    h.add_argument("--steps", type=int, default=1000, help="Train.steps (1000)")
+    h.add_argument("--target", action="append", help="a target to declare; repeat for more (default cpu-8)")
+    h.set_defaults(run=_import_hf)
+
+    w = sub.add_parser(
+        "convert-hf", help="HF safetensors -> an orbax checkpoint the program takes with --init-from"
+    )
+    w.add_argument("spec", help="the spec the weights are for, e.g. written by `axgen import-hf`")
+    w.add_argument(
+        "--hf", type=Path, required=True, help="folder of model.safetensors or shards and their index"
+    )
+    w.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
+    w.add_argument("--force", action="store_true", help="replace an existing --out")
+    w.set_defaults(run=_convert_hf)
     return parser
 
 
@@ -233,6 +270,27 @@ def _data(args) -> int:
         overwrite=args.force,
     )
     print(f"wrote {args.out}: {summary(manifest, time.perf_counter() - start)}")
+    return 0
+
+
+def _import_hf(args) -> int:
+    targets = tuple(args.target or ("cpu-8",))
+    choices = TrainChoices(args.seq_len, args.batch, args.lr, args.steps, targets)
+    spec = import_hf(args.config, args.out, choices, args.name)
+    graph = from_spec(spec)
+    run_passes(graph, spec.features)
+    print(f"wrote {args.out}: {spec.name}, {cost.num_params(graph):,} parameters")
+    return 0
+
+
+def _convert_hf(args) -> int:
+    spec = load_spec(args.spec)
+    params = convert_hf(spec, args.hf, args.out, overwrite=args.force)
+    leaves = [
+        leaf for block in params.values() for leaf in (block.values() if isinstance(block, dict) else [block])
+    ]
+    size = sum(leaf.nbytes for leaf in leaves)
+    print(f"wrote {args.out}: {len(leaves)} params of {spec.name}, {size / 2**30:.2f} GiB")
     return 0
 
 

@@ -33,33 +33,53 @@ def load_program(path: str | Path):
     return module
 
 
-def hf_to_params(state_dict, spec: Model) -> dict:
+class CheckpointError(ValueError):
+    """One line naming the tensor (and file) of a checkpoint that does not fit the spec."""
+
+
+def hf_to_params(state_dict, spec: Model, dtype=np.float32) -> dict:
     """A Hugging Face state dict (name -> array, or a .safetensors path) as the emitted program's params.
 
     Every param of the spec's graph says where it lives in an HF checkpoint (`Param.hf`, set by the graph
     builder and by the pass that made the param): the tensor's name, with `{layer}` for the layer index, whether
     torch stores it [out, in], and which part of a fused tensor it is. Params of a block are stacked over its
     layers in the order the scan runs them. A param that HF checkpoints lack (an fp8 amax history) starts
-    from its init, zeros.
+    from its init, zeros. `dtype=None` keeps each tensor's own dtype (a param with an offset, Gemma's norms,
+    becomes float32, where the offset is exact).
     """
     if isinstance(state_dict, (str, Path)):
         from safetensors.numpy import load_file
 
         state_dict = load_file(str(state_dict))
+    params: dict = {}
+    for block, param, layers in hf_layout(spec):
+        if layers is None:
+            params[param.key] = _hf_tensor(state_dict, param, None, dtype)
+        else:
+            tensors = [_hf_tensor(state_dict, param, layer, dtype) for layer in layers]
+            params.setdefault(block, {})[param.key] = np.stack(tensors)
+    return params
+
+
+def hf_layout(spec: Model) -> list[tuple[str | None, Param, list[int] | None]]:
+    """(block, param, the HF layer index of each of its stacked rows) for every param of the spec's program, in
+    order; block and layers are None for a param outside the decoder's scan."""
     graph = from_spec(spec)
     run_passes(graph, spec.features)
-    params: dict = {}
+    layout = []
     for node in graph.nodes(region="main"):
         if node.op == "scan":
             for block, layers in _block_layers(graph, node).items():
-                region = graph.nodes(region=block)
-                params[block] = {
-                    p.key: np.stack([_hf_tensor(state_dict, p, i) for i in layers])
-                    for n in region
-                    for p in n.params.values()
-                }
-        params |= {p.key: _hf_tensor(state_dict, p, None) for p in node.params.values()}
-    return params
+                layout += [(block, p, layers) for n in graph.nodes(region=block) for p in n.params.values()]
+        layout += [(None, p, None) for p in node.params.values()]
+    return layout
+
+
+def hf_names(param: Param, layers: list[int] | None) -> list[str]:
+    """The HF tensors a param reads: one per layer it stacks."""
+    if param.hf is None:
+        return []
+    return [param.hf.name.format(layer=layer) for layer in (layers or [None])]
 
 
 def _block_layers(graph: Graph, scan: Node) -> dict[str, list[int]]:
@@ -74,21 +94,25 @@ def _block_layers(graph: Graph, scan: Node) -> dict[str, list[int]]:
     return layers
 
 
-def _hf_tensor(state_dict, param: Param, layer: int | None) -> np.ndarray:
+def _hf_tensor(state_dict, param: Param, layer: int | None, dtype) -> np.ndarray:
     if param.hf is None:
-        return np.zeros(param.shape, np.float32)
+        return np.zeros(param.shape, dtype or np.float32)
     name = param.hf.name.format(layer=layer)
     if name not in state_dict:
-        raise KeyError(f"the checkpoint has no tensor {name!r} for param {param.key}{list(param.shape)}")
-    tensor = np.asarray(state_dict[name], dtype=np.float32)
+        raise CheckpointError(
+            f"the checkpoint has no tensor {name!r} for param {param.key}{list(param.shape)}"
+        )
+    tensor = np.asarray(state_dict[name], dtype=dtype)
+    count = param.hf.chunk[1] if param.hf.chunk else 1
+    if tensor.size != count * math.prod(param.shape):
+        raise CheckpointError(
+            f"tensor {name!r} has shape {list(tensor.shape)}; param {param.key} needs {list(param.shape)}"
+            + (f" from each of its {count} parts" if count > 1 else "")
+        )
     if param.hf.chunk is not None:
-        index, count = param.hf.chunk
-        tensor = np.split(tensor, count, axis=-2)[index]
+        tensor = np.split(tensor, count, axis=-2)[param.hf.chunk[0]]
     if param.hf.transpose:
         tensor = np.swapaxes(tensor, -1, -2)
-    tensor = tensor + np.float32(param.hf.offset)
-    if tensor.size != math.prod(param.shape):
-        raise ValueError(
-            f"tensor {name!r} has shape {list(tensor.shape)}; param {param.key} needs {list(param.shape)}"
-        )
+    if param.hf.offset:
+        tensor = tensor.astype(np.float32) + np.float32(param.hf.offset)
     return tensor.reshape(param.shape)

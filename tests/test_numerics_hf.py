@@ -8,6 +8,7 @@ import pytest
 from tests.conftest import ROOT
 
 from axgen.build import build, write_atomically
+from axgen.hf_import import TrainChoices, import_hf
 from axgen.interop import hf_to_params, load_program
 
 FIXTURES = ROOT / "tests/fixtures"
@@ -53,11 +54,19 @@ def test_converter_reads_safetensors_files(tmp_path):
 ARCHITECTURES = ["hf_qwen2", "hf_qwen3", "hf_mistral_window", "hf_gemma2", "hf_qwen2_moe"]
 
 
+@pytest.mark.parametrize("spec_from", ["hand-written", "import-hf"])
 @pytest.mark.parametrize("name", ARCHITECTURES)
-def test_forward_matches_each_family_in_hf(name, tmp_path):
+def test_forward_matches_each_family_in_hf(name, spec_from, tmp_path):
+    """Against each family's logits in HF transformers: the fixture's hand-written spec, and the spec that
+    `axgen import-hf` writes from the fixture model's own config.json (transformers 5 keys)."""
     fixture = np.load(FIXTURES / f"{name}.npz")
-    built = build(FIXTURES / f"{name}_spec.py", "cpu-1")
     config = json.loads(str(fixture["config"]))
+    spec_path = FIXTURES / f"{name}_spec.py"
+    if spec_from == "import-hf":
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        spec_path = tmp_path / f"{name}_imported.py"
+        import_hf(tmp_path / "config.json", spec_path, TrainChoices(targets=("cpu-1",)))
+    built = build(spec_path, "cpu-1")
     spec, attention = built.spec, built.spec.decoder.attention
     assert (spec.vocab_size, spec.d_model, spec.decoder.num_layers, attention.num_kv_heads) == (
         config["vocab_size"],

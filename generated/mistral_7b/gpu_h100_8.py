@@ -366,7 +366,11 @@ OPTIMIZER = make_optimizer()
 
 
 def init_state(rng):
-    params = init_params(rng)
+    return state_from_params(init_params(rng))
+
+
+def state_from_params(params):
+    """Step 0 with these params and a fresh optimizer state."""
     return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": OPTIMIZER.init(params)}
 
 
@@ -606,9 +610,14 @@ def make_mesh(devices=None):
     )
 
 
-def restore_or_init(manager, mesh, seed):
+def restore_or_init(manager, mesh, seed, init_from=None):
+    """The newest checkpoint of this run; else the params of `init_from` with a fresh optimizer; else a seeded
+    init."""
     shardings = state_shardings(mesh)
     step = manager.latest_step()
+    if step is None and init_from:
+        state = jax.jit(state_from_params, out_shardings=shardings)(restore_params(init_from, mesh))
+        return state, f"params from {init_from}, a fresh optimizer state"
     if step is None:
         return jax.jit(init_state, out_shardings=shardings)(jax.random.key(seed)), "initialised from seed"
     abstract = jax.tree.map(
@@ -718,6 +727,23 @@ def positive(text):
     return value
 
 
+def restore_params(path, mesh):
+    """Params from an `axgen convert-hf` checkpoint, restored straight into this mesh's shardings and cast to the
+    program's dtype."""
+    shapes = jax.eval_shape(init_params, jax.random.key(0))
+    abstract = jax.tree.map(
+        lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+        shapes,
+        param_shardings(mesh),
+    )
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            return checkpointer.restore(os.path.abspath(path), abstract)
+    except (OSError, ValueError, KeyError) as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise SystemExit(f"error: {path} does not hold {CONFIG['model']}'s params: {first_line}")
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", required=True, help="dataset directory written by `axgen data`")
@@ -737,6 +763,9 @@ def parse_args(argv):
     )
     parser.add_argument(
         "--eval-data", help="dataset directory to evaluate on (default: the eval split of --data)"
+    )
+    parser.add_argument(
+        "--init-from", help="`axgen convert-hf` checkpoint to start from when --run-dir has none"
     )
     parser.add_argument(
         "--no-document-mask",
@@ -783,7 +812,7 @@ def main(argv=None):
     options = ocp.CheckpointManagerOptions(save_interval_steps=CONFIG["checkpoint_every"], max_to_keep=3)
     log = MetricsLog(args.run_dir)
     with jax.set_mesh(mesh), ocp.CheckpointManager(checkpoints, options=options) as manager:
-        state, origin = restore_or_init(manager, mesh, CONFIG["seed"])
+        state, origin = restore_or_init(manager, mesh, CONFIG["seed"], args.init_from)
         step_fn, eval_fn = compile_train_step(mesh), compile_eval_step(mesh)
         sharding = batch_sharding(mesh, args.batch)
         start = int(state["step"])

@@ -1,0 +1,149 @@
+"""`axgen import-hf`: published Hugging Face configs become specs with the HF model's parameter count; every key is
+read, known to be irrelevant, or an error; transformers 4.x and 5.x conventions give the same spec."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from tests.conftest import ROOT
+
+from axgen.build import lowered
+from axgen.cli import main as axgen
+from axgen.interop import hf_to_params
+from axgen.ir import cost, from_spec
+from axgen.loader import load_spec
+from axgen.passes import run_passes
+from axgen.spec import Model, SpecError
+
+CONFIGS = ROOT / "tests/fixtures/hf_configs"
+
+# Each model's parameter count as its Hugging Face model card states it (safetensors metadata), not as axgen
+# computes it; and the bundled spec the import must agree with, where there is one.
+PUBLISHED = {
+    "llama2_7b": (6_738_415_616, "llama2_7b"),
+    "llama3_8b": (8_030_261_248, "llama3_8b"),
+    "llama3_1_8b": (8_030_261_248, None),
+    "mistral_7b": (7_241_732_096, "mistral_7b"),
+    "mixtral_8x7b": (46_702_792_704, "mixtral_8x7b"),
+    "qwen2_7b": (7_615_616_512, "qwen2_7b"),
+    "qwen3_8b": (8_190_735_360, "qwen3_8b"),
+    "qwen2_moe_a2_7b": (14_315_784_192, "qwen2_moe_a2_7b"),
+    "gemma2_9b": (9_241_705_984, "gemma2_9b"),
+}
+
+
+def num_params(spec: Model) -> int:
+    graph = from_spec(spec)
+    run_passes(graph, spec.features)
+    return cost.num_params(graph)
+
+
+def import_spec(capsys, config, out) -> tuple[int, str]:
+    code = axgen(["import-hf", str(config), "--out", str(out)])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+@pytest.mark.parametrize("model", PUBLISHED)
+def test_each_published_config_gives_the_hf_models_parameter_count(model, tmp_path, capsys):
+    config = CONFIGS / f"{model}.json"
+    if not config.exists():
+        pytest.fail(f"{config} is missing")
+    code, output = import_spec(capsys, config, tmp_path / f"{model}.py")
+    assert code == 0, output
+    spec = load_spec(tmp_path / f"{model}.py")
+    expected, bundled_name = PUBLISHED[model]
+    assert num_params(spec) == expected
+    assert f"{expected:,} parameters" in output
+    text = (tmp_path / f"{model}.py").read_text()
+    assert "sha256 " in text and str(config) in text
+    if bundled_name:
+        bundled = load_spec(ROOT / "specs" / f"{bundled_name}.py")
+        assert (spec.vocab_size, spec.d_model, spec.tie_embeddings) == (
+            bundled.vocab_size,
+            bundled.d_model,
+            bundled.tie_embeddings,
+        )
+        assert spec.decoder == bundled.decoder
+        assert [f.pass_name for f in spec.features] == [f.pass_name for f in bundled.features]
+        assert spec.feature("rope") == bundled.feature("rope")
+    lowered(spec, "cpu-8")  # builds for its target as written
+
+
+def as_transformers_5(config: dict) -> dict:
+    """The same model in transformers 5's keys: rope parameters in one dict, `dtype`."""
+    config = dict(config)
+    scaling = config.pop("rope_scaling", None) or {"rope_type": "default"}
+    rope = {"rope_theta": config.pop("rope_theta"), **scaling}
+    config["rope_parameters"] = rope
+    config["dtype"] = config.pop("torch_dtype")
+    return config
+
+
+@pytest.mark.parametrize("model", ["llama3_1_8b", "qwen2_7b"])
+def test_transformers_5_keys_give_the_same_spec(model, tmp_path, capsys):
+    config = json.loads((CONFIGS / f"{model}.json").read_text())
+    (tmp_path / "v4.json").write_text(json.dumps(config))
+    (tmp_path / "v5.json").write_text(json.dumps(as_transformers_5(config)))
+    for version in ("v4", "v5"):
+        assert import_spec(capsys, tmp_path / f"{version}.json", tmp_path / f"{version}_model.py")[0] == 0
+    v4, v5 = (load_spec(tmp_path / f"{version}_model.py") for version in ("v4", "v5"))
+    assert v4.replace(name="x") == v5.replace(name="x")
+
+
+BAD = [
+    ("model_type", "gpt2", "model_type='gpt2' is not one axgen imports (it imports llama, mistral"),
+    ("attention_bias", True, "attention_bias=True puts biases on all four attention projections"),
+    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope type 'yarn' is not one axgen implements"),
+    ("hidden_act", "gelu", "hidden_act='gelu' is an activation axgen's gated MLP does not use"),
+    ("attention_dropout", 0.1, "attention_dropout=0.1 is dropout in attention"),
+    ("shiny_new_key", 3, "shiny_new_key=3 is a key axgen's llama import does not know, so it stops"),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "message"), BAD, ids=[b[0] for b in BAD])
+def test_a_key_axgen_cannot_honour_stops_the_import_naming_it(key, value, message, tmp_path, capsys):
+    config = json.loads((CONFIGS / "llama2_7b.json").read_text()) | {key: value}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, output = import_spec(capsys, tmp_path, tmp_path / "specs/out.py")
+    assert code == 2
+    assert output == f"axgen: error: {tmp_path / 'config.json'}: {message}" + output.split(message, 1)[1]
+    assert output.count("\n") == 1
+    assert not (tmp_path / "specs").exists(), "nothing is written"
+
+
+def test_a_missing_or_broken_config_is_named(tmp_path, capsys):
+    assert import_spec(capsys, tmp_path / "nope.json", tmp_path / "x.py") == (
+        2,
+        f"axgen: error: {tmp_path / 'nope.json'}: no such file\n",
+    )
+    (tmp_path / "bad.json").write_text("{")
+    code, output = import_spec(capsys, tmp_path / "bad.json", tmp_path / "x.py")
+    assert code == 2 and f"{tmp_path / 'bad.json'}: not a readable JSON config" in output
+
+
+def test_gemma2_layer_types_must_alternate(tmp_path, capsys):
+    config = json.loads((CONFIGS / "gemma2_9b.json").read_text())
+    config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, output = import_spec(capsys, tmp_path, tmp_path / "g.py")
+    assert code == 2 and "is not what axgen's gemma2 import maps" in output
+
+
+def test_weights_load_without_a_train_block_or_loss_weights(tmp_path):
+    """Running a model needs neither a Train block nor MoE loss weights; building a training program does."""
+    spec = load_spec(ROOT / "tests/fixtures/hf_mixtral_spec.py")
+    moe = spec.feature("moe").replace(aux_loss_weight=None, router_z_loss_weight=None)
+    inference = spec.replace(
+        train=None, features=[moe if f is spec.feature("moe") else f for f in spec.features]
+    )
+    fixture = np.load(ROOT / "tests/fixtures/hf_mixtral.npz")
+    state_dict = {k: fixture[k] for k in fixture.files if k.startswith(("model.", "lm_head."))}
+    jax.tree.map(
+        np.testing.assert_array_equal, hf_to_params(state_dict, inference), hf_to_params(state_dict, spec)
+    )
+    with pytest.raises(SpecError, match="Model.train is needed to build a training program"):
+        lowered(inference, "cpu-8")
+    with pytest.raises(SpecError, match="MoE.aux_loss_weight=None is needed to train"):
+        inference.replace(train=spec.train)

@@ -1,0 +1,134 @@
+"""`axgen convert-hf`: sharded HF safetensors become the program's params, checked tensor by tensor, restored
+into a sharded mesh with `--init-from`, and fine-tuned from."""
+
+import json
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+from tests.conftest import ROOT, run_python
+
+from axgen.build import build, write_atomically
+from axgen.cli import main as axgen
+from axgen.data import write_dataset
+from axgen.interop import hf_to_params, load_program
+
+FIXTURE = ROOT / "tests/fixtures/hf_qwen2.npz"
+SPEC = ROOT / "tests/fixtures/hf_qwen2_spec.py"
+
+
+def state_dict(dtype=np.float32) -> dict[str, np.ndarray]:
+    fixture = np.load(FIXTURE)
+    return {k: fixture[k].astype(dtype) for k in fixture.files if k.startswith(("model.", "lm_head."))}
+
+
+def save_sharded(directory, tensors: dict, shards: int = 3) -> None:
+    """As `save_pretrained` writes a big model: shards of safetensors and an index naming each tensor's shard."""
+    directory.mkdir(parents=True, exist_ok=True)
+    names = sorted(tensors)
+    weight_map = {}
+    for shard in range(shards):
+        file = f"model-{shard + 1:05d}-of-{shards:05d}.safetensors"
+        part = {name: tensors[name] for name in names[shard::shards]}
+        save_file(part, str(directory / file))
+        weight_map |= dict.fromkeys(part, file)
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+
+
+def convert(capsys, hf_dir, out, *extra) -> tuple[int, str]:
+    code = axgen(["convert-hf", str(SPEC), "--hf", str(hf_dir), "--out", str(out), *extra])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+@pytest.fixture(scope="module")
+def program(tmp_path_factory):
+    path = tmp_path_factory.mktemp("program") / "qwen2_cpu_1.py"
+    write_atomically(path, build(SPEC, "cpu-1").source)
+    return load_program(path)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["fp32", "bf16"])
+def test_sharded_safetensors_restore_into_a_sharded_mesh_as_the_hf_params(dtype, program, tmp_path, capsys):
+    tensors = state_dict(dtype)
+    save_sharded(tmp_path / "hf", tensors)
+    code, output = convert(capsys, tmp_path / "hf", tmp_path / "ckpt")
+    assert code == 0, output
+    assert "wrote" in output
+
+    program.MESH_SHAPE = {"data": 1, "fsdp": 4, "expert": 1, "model": 2}
+    try:
+        mesh = program.make_mesh()
+        restored = program.restore_params(tmp_path / "ckpt", mesh)
+    finally:
+        program.MESH_SHAPE = {axis: 1 for axis in program.MESH_SHAPE}
+    assert not restored["layers"]["wq"].sharding.is_fully_replicated, "restored straight into the shards"
+    expected = hf_to_params(tensors, load_program_spec())
+    jax.tree.map(lambda got, want: np.testing.assert_array_equal(np.asarray(got), want), restored, expected)
+    assert all(leaf.dtype == np.float32 for leaf in jax.tree.leaves(restored)), "cast to the program's dtype"
+
+
+def load_program_spec():
+    from axgen.loader import load_spec
+
+    return load_spec(SPEC)
+
+
+def damaged(tmp_path, change) -> object:
+    tensors = state_dict()
+    change(tensors)
+    save_sharded(tmp_path / "hf", tensors)
+    return tmp_path / "hf"
+
+
+BAD = {
+    "missing": (
+        lambda t: t.pop("model.layers.1.self_attn.k_proj.bias"),
+        "has no tensor 'model.layers.1.self_attn",
+    ),
+    "unexpected": (
+        lambda t: t.update({"model.layers.2.mlp.up_proj.weight": np.zeros((4, 4), np.float32)}),
+        "holds 'model.layers.2.mlp.up_proj.weight', which hf-qwen2 has no param for",
+    ),
+    "misshaped": (
+        lambda t: t.update({"model.norm.weight": np.zeros(7, np.float32)}),
+        "tensor 'model.norm.weight' has shape [7]; param final_norm needs [64]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_a_checkpoint_that_does_not_fit_the_spec_names_the_tensor(case, tmp_path, capsys):
+    change, message = BAD[case]
+    code, output = convert(capsys, damaged(tmp_path, change), tmp_path / "ckpt")
+    assert code == 2 and message in output and output.count("\n") == 1, output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"], "no partial output"
+
+
+def test_a_truncated_shard_is_named(tmp_path, capsys):
+    save_sharded(tmp_path / "hf", state_dict())
+    shard = tmp_path / "hf/model-00002-of-00003.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1000])
+    code, output = convert(capsys, tmp_path / "hf", tmp_path / "ckpt")
+    assert code == 2 and str(shard) in output, output
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_fine_tuning_from_a_converted_checkpoint_lowers_its_loss(program, tmp_path, capsys):
+    save_sharded(tmp_path / "hf", state_dict(ml_dtypes.bfloat16))
+    assert convert(capsys, tmp_path / "hf", tmp_path / "ckpt")[0] == 0
+    rng = np.random.default_rng(0)
+    pattern = rng.integers(1, 127, 40)  # a document the model can learn: the same tokens again and again
+    write_dataset(tmp_path / "data", [pattern] * 50, vocab_size=128, bos_id=None, eos_id=0, eval_fraction=0)
+    log = run_python(
+        str(program.__file__),
+        *("--data", str(tmp_path / "data"), "--run-dir", str(tmp_path / "run"), "--steps", "8"),
+        *("--log-every", "1", "--init-from", str(tmp_path / "ckpt")),
+    )
+    assert f"params from {tmp_path / 'ckpt'}, a fresh optimizer state" in log
+    losses = [float(line.split(" | ")[1].split()[1]) for line in log.splitlines() if line.startswith("step ")]
+    assert losses[-1] < losses[0] - 0.5, losses
