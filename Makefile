@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO := build/demo
 
-.PHONY: demo test generate aot-report fixtures clean
+.PHONY: demo test generate aot-report fixtures check-export clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || { py=$$(scripts/find-python) && echo "creating $(VENV) with $$py" && "$$py" -m venv $(VENV); }
@@ -42,6 +42,12 @@ aot-report: $(STAMP)
 # Needs Python 3.11 with torch: see tests/fixtures/make_hf_fixtures.py.
 fixtures:
 	python3 tests/fixtures/make_hf_fixtures.py
+
+# transformers loads every family `axgen export-hf` writes and computes HF's logits (python3: torch, transformers).
+check-export: $(STAMP)
+	rm -rf build/check-export
+	PYTHONPATH=. $(BIN)/python tests/fixtures/check_export_in_transformers.py export build/check-export
+	python3 tests/fixtures/check_export_in_transformers.py check build/check-export
 
 clean:
 	rm -rf $(VENV) build .pytest_cache

@@ -1,5 +1,5 @@
 """`axgen build | graph | explain | aot | targets | corpus | data | tokenizer train | report | import-hf |
-convert-hf`: the command line.
+convert-hf | export-hf`: the command line.
 Errors are one line and exit 2."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from axgen.build import build, default_output, lowered, write_atomically
 from axgen.corpus import write_corpus
 from axgen.data import DataError, ReadOptions, build_dataset, summary
 from axgen.explain import explain, render
+from axgen.hf_export import export_hf
 from axgen.hf_import import HFImportError, TrainChoices, import_hf
 from axgen.hf_weights import convert_hf
 from axgen.interop import CheckpointError
@@ -147,6 +148,21 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
     w.add_argument("--force", action="store_true", help="replace an existing --out")
     w.set_defaults(run=_convert_hf)
+
+    x = sub.add_parser("export-hf", help="a run's (or convert-hf's) params -> a Hugging Face model folder")
+    x.add_argument("spec", help="the spec the params are of")
+    x.add_argument(
+        "--ckpt", type=Path, required=True, help="a --run-dir (its newest checkpoint) or a convert-hf output"
+    )
+    x.add_argument("--out", type=Path, required=True, help="HF model folder to write")
+    x.add_argument(
+        "--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16", help="(bfloat16)"
+    )
+    x.add_argument(
+        "--tokenizer", type=Path, help="tokenizer.json (or its folder) to copy, with its config files"
+    )
+    x.add_argument("--force", action="store_true", help="replace an existing --out")
+    x.set_defaults(run=_export_hf)
     return parser
 
 
@@ -291,6 +307,14 @@ def _convert_hf(args) -> int:
     ]
     size = sum(leaf.nbytes for leaf in leaves)
     print(f"wrote {args.out}: {len(leaves)} params of {spec.name}, {size / 2**30:.2f} GiB")
+    return 0
+
+
+def _export_hf(args) -> int:
+    spec = load_spec(args.spec)
+    tensors = export_hf(spec, args.ckpt, args.out, args.dtype, args.tokenizer, overwrite=args.force)
+    size = sum(t.nbytes for t in tensors.values())
+    print(f"wrote {args.out}: {len(tensors)} tensors of {spec.name} in {args.dtype}, {size / 2**30:.2f} GiB")
     return 0
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from axgen.interop import CheckpointError, hf_layout, hf_names, hf_to_params
+from axgen.interop import CheckpointError, hf_layout, hf_names, hf_to_params, host_jax
 from axgen.spec import Model
 
 INDEX = "model.safetensors.index.json"
@@ -100,6 +100,7 @@ def _tied_head(name: str, spec: Model) -> bool:
 def convert_hf(spec: Model, hf_dir: Path, out: Path, overwrite: bool = False) -> dict:
     """Writes the program's params from an HF checkpoint folder as an orbax checkpoint at `out`, published only
     when complete; returns the params."""
+    host_jax()
     import orbax.checkpoint as ocp
 
     out = Path(out).resolve()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
 import sys
 from pathlib import Path
 
@@ -33,6 +34,15 @@ def load_program(path: str | Path):
     return module
 
 
+def host_jax():
+    """jax for checkpoint I/O on the host: no accelerator plugin starts (or complains) for it."""
+    import jax
+
+    if "JAX_PLATFORMS" not in os.environ:
+        jax.config.update("jax_platforms", "cpu")
+    return jax
+
+
 class CheckpointError(ValueError):
     """One line naming the tensor (and file) of a checkpoint that does not fit the spec."""
 
@@ -44,8 +54,7 @@ def hf_to_params(state_dict, spec: Model, dtype=np.float32) -> dict:
     builder and by the pass that made the param): the tensor's name, with `{layer}` for the layer index, whether
     torch stores it [out, in], and which part of a fused tensor it is. Params of a block are stacked over its
     layers in the order the scan runs them. A param that HF checkpoints lack (an fp8 amax history) starts
-    from its init, zeros. `dtype=None` keeps each tensor's own dtype (a param with an offset, Gemma's norms,
-    becomes float32, where the offset is exact).
+    from its init, zeros. `dtype=None` keeps each tensor's own dtype.
     """
     if isinstance(state_dict, (str, Path)):
         from safetensors.numpy import load_file
@@ -73,6 +82,62 @@ def hf_layout(spec: Model) -> list[tuple[str | None, Param, list[int] | None]]:
                 layout += [(block, p, layers) for n in graph.nodes(region=block) for p in n.params.values()]
         layout += [(None, p, None) for p in node.params.values()]
     return layout
+
+
+def params_to_hf(params: dict, spec: Model, dtype=None) -> dict[str, np.ndarray]:
+    """The inverse of `hf_to_params`: the HF state dict of a program's params, each tensor in `dtype` (None: as
+    stored). A fused HF tensor is put back together from the params that are its parts."""
+    tensors: dict[str, np.ndarray] = {}
+    parts: dict[str, dict[int, np.ndarray]] = {}
+    for block, param, layers in hf_layout(spec):
+        value = _param_value(params, block, param, layers, spec)
+        for row, name in enumerate(hf_names(param, layers)):
+            tensor = _to_hf(np.asarray(value if layers is None else value[row]), param, dtype)
+            if param.hf.chunk is None:
+                tensors[name] = tensor
+            else:
+                parts.setdefault(name, {})[param.hf.chunk[0]] = tensor
+    for name, chunks in parts.items():
+        tensors[name] = np.concatenate([chunks[index] for index in sorted(chunks)], axis=-2)
+    return tensors
+
+
+def _param_value(params: dict, block: str | None, param: Param, layers: list[int] | None, spec: Model):
+    path = param.key if block is None else f"{block}/{param.key}"
+    value = (params if block is None else params.get(block, {})).get(param.key)
+    if value is None:
+        raise CheckpointError(
+            f"the checkpoint has no param {path} of {spec.name}: a checkpoint of another model?"
+        )
+    shape = (len(layers), *param.shape) if layers is not None else param.shape
+    if tuple(value.shape) != tuple(shape):
+        raise CheckpointError(
+            f"the checkpoint's param {path} is {list(value.shape)}; {spec.name} needs {list(shape)}"
+        )
+    return value
+
+
+def _to_hf(tensor: np.ndarray, param: Param, dtype) -> np.ndarray:
+    tensor = tensor.reshape(_hf_view(param))
+    if param.hf.transpose:
+        tensor = np.swapaxes(tensor, -1, -2)
+    return np.ascontiguousarray(tensor, dtype=dtype)
+
+
+def _hf_view(param: Param) -> tuple[int, ...]:
+    """The param's shape as HF lays it out before any transpose: a head's axes are one ((heads, head_dim) ->
+    heads * head_dim), and a Linear to a single output keeps that output's unit axis."""
+    shape: list[int] = []
+    previous = None
+    for axis, size in zip(param.type.axes, param.shape):
+        if axis == "head_dim" and previous in ("heads", "kv_heads"):
+            shape[-1] *= size
+        else:
+            shape.append(size)
+        previous = axis
+    if param.hf.transpose and len(shape) == 1:
+        shape.append(1)
+    return tuple(shape)
 
 
 def hf_names(param: Param, layers: list[int] | None) -> list[str]:
@@ -113,6 +178,4 @@ def _hf_tensor(state_dict, param: Param, layer: int | None, dtype) -> np.ndarray
         tensor = np.split(tensor, count, axis=-2)[param.hf.chunk[0]]
     if param.hf.transpose:
         tensor = np.swapaxes(tensor, -1, -2)
-    if param.hf.offset:
-        tensor = tensor.astype(np.float32) + np.float32(param.hf.offset)
     return tensor.reshape(param.shape)

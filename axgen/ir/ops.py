@@ -45,7 +45,10 @@ class InputAttrs(Attrs):
 
 @dataclass(frozen=True, kw_only=True)
 class NormAttrs(Attrs):
+    """`offset`: the norm scales by offset + w, as Gemma's scale by 1 + w (the param holds w, as HF's does)."""
+
     eps: float
+    offset: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)

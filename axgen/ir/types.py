@@ -60,14 +60,12 @@ class TensorType:
 class HFWeight:
     """Where a param lives in a Hugging Face checkpoint: its tensor `name` (`{layer}` stands for the layer index),
     which of `chunk=(index, count)` equal parts along the second-to-last axis it is, when HF fuses several,
-    whether HF keeps its last two axes the other way round (`transpose`: torch's Linear stores [out, in]), and
-    the `offset` HF's value is stored less by (Gemma's norms keep w and scale by 1 + w: the param is 1 + w).
+    and whether HF keeps its last two axes the other way round (`transpose`: torch's Linear stores [out, in]).
     """
 
     name: str
     transpose: bool = False
     chunk: tuple[int, int] | None = None
-    offset: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Gemma's block on a Llama graph: GeGLU in place of SwiGLU, embeddings scaled by sqrt(d_model), RMSNorms that
-scale by 1 + w (the param holds 1 + w; HF checkpoints hold w), and a norm after each sub-layer, before it joins
-the residual stream (HF: post_attention_layernorm, post_feedforward_layernorm; the MLP's input norm is
+scale by 1 + w (the param holds w, initialised to zeros, as HF's does), and a norm after each sub-layer, before it
+joins the residual stream (HF: post_attention_layernorm, post_feedforward_layernorm; the MLP's input norm is
 pre_feedforward_layernorm)."""
 
 import dataclasses
@@ -35,14 +35,14 @@ def gemma_block(g: Graph, cfg: GemmaBlock) -> None:
         ) in residuals:  # the two that join the residual stream, not an MoE's sum with its shared expert
             hf = HFWeight(f"{LAYER}.{POST_NORMS[residual.label]}.weight")
             scale = Param(
-                f"post_{residual.label}_norm", mlp_norm.params["scale"].type, "ones", decay=False, hf=hf
+                f"post_{residual.label}_norm", mlp_norm.params["scale"].type, "zeros", decay=False, hf=hf
             )
             g.insert_on_input(residual, "y", Op("rms_norm", params={"scale": scale}, eps=mlp_norm.attrs.eps))
         for swiglu in list(g.nodes(op="swiglu", region=region.name)):
             geglu = g.add(region.name, "hidden_geglu", "geglu", g.inputs(swiglu))
             g.replace(g.subgraph(region.name, lambda n, old=swiglu: n is old), geglu)
     for norm in list(g.nodes(op="rms_norm")):  # every norm, q and k norms too, scales by 1 + w
-        _set_hf(g, norm, dataclasses.replace(norm.params["scale"].hf, offset=1.0))
+        g.update(norm, {"scale": dataclasses.replace(norm.params["scale"], init="zeros")}, offset=1.0)
 
 
 def _set_hf(g: Graph, norm: Node, hf: HFWeight) -> None:

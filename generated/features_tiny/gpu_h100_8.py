@@ -106,36 +106,36 @@ class ParamSpec:
 PARAMS = {
     "embed": ParamSpec((512, 128), ("vocab", "embed"), decay=False),
     "layers": {  # stacked: one slice per layer
-        "attn_norm": ParamSpec((2, 128), ("layers", "embed"), init="ones", decay=False),
+        "attn_norm": ParamSpec((2, 128), ("layers", "embed"), init="zeros", decay=False),
         "wq": ParamSpec((2, 128, 4, 32), ("layers", "embed", "heads", "head_dim")),
         "wk": ParamSpec((2, 128, 2, 32), ("layers", "embed", "kv_heads", "head_dim")),
         "wv": ParamSpec((2, 128, 2, 32), ("layers", "embed", "kv_heads", "head_dim")),
         "bq": ParamSpec((2, 4, 32), ("layers", "heads", "head_dim"), init="zeros", decay=False),
         "bk": ParamSpec((2, 2, 32), ("layers", "kv_heads", "head_dim"), init="zeros", decay=False),
         "bv": ParamSpec((2, 2, 32), ("layers", "kv_heads", "head_dim"), init="zeros", decay=False),
-        "q_norm": ParamSpec((2, 32), ("layers", "head_dim"), init="ones", decay=False),
-        "k_norm": ParamSpec((2, 32), ("layers", "head_dim"), init="ones", decay=False),
+        "q_norm": ParamSpec((2, 32), ("layers", "head_dim"), init="zeros", decay=False),
+        "k_norm": ParamSpec((2, 32), ("layers", "head_dim"), init="zeros", decay=False),
         "wo": ParamSpec((2, 4, 32, 128), ("layers", "heads", "head_dim", "embed")),
-        "post_attention_norm": ParamSpec((2, 128), ("layers", "embed"), init="ones", decay=False),
-        "mlp_norm": ParamSpec((2, 128), ("layers", "embed"), init="ones", decay=False),
+        "post_attention_norm": ParamSpec((2, 128), ("layers", "embed"), init="zeros", decay=False),
+        "mlp_norm": ParamSpec((2, 128), ("layers", "embed"), init="zeros", decay=False),
         "w_gate": ParamSpec((2, 128, 384), ("layers", "embed", "mlp")),
         "w_up": ParamSpec((2, 128, 384), ("layers", "embed", "mlp")),
         "w_down": ParamSpec((2, 384, 128), ("layers", "mlp", "embed")),
-        "post_mlp_norm": ParamSpec((2, 128), ("layers", "embed"), init="ones", decay=False),
+        "post_mlp_norm": ParamSpec((2, 128), ("layers", "embed"), init="zeros", decay=False),
     },
     "moe_layers": {  # stacked: one slice per layer
-        "attn_norm": ParamSpec((2, 128), ("layers", "embed"), init="ones", decay=False),
+        "attn_norm": ParamSpec((2, 128), ("layers", "embed"), init="zeros", decay=False),
         "wq": ParamSpec((2, 128, 4, 32), ("layers", "embed", "heads", "head_dim")),
         "wk": ParamSpec((2, 128, 2, 32), ("layers", "embed", "kv_heads", "head_dim")),
         "wv": ParamSpec((2, 128, 2, 32), ("layers", "embed", "kv_heads", "head_dim")),
         "bq": ParamSpec((2, 4, 32), ("layers", "heads", "head_dim"), init="zeros", decay=False),
         "bk": ParamSpec((2, 2, 32), ("layers", "kv_heads", "head_dim"), init="zeros", decay=False),
         "bv": ParamSpec((2, 2, 32), ("layers", "kv_heads", "head_dim"), init="zeros", decay=False),
-        "q_norm": ParamSpec((2, 32), ("layers", "head_dim"), init="ones", decay=False),
-        "k_norm": ParamSpec((2, 32), ("layers", "head_dim"), init="ones", decay=False),
+        "q_norm": ParamSpec((2, 32), ("layers", "head_dim"), init="zeros", decay=False),
+        "k_norm": ParamSpec((2, 32), ("layers", "head_dim"), init="zeros", decay=False),
         "wo": ParamSpec((2, 4, 32, 128), ("layers", "heads", "head_dim", "embed")),
-        "post_attention_norm": ParamSpec((2, 128), ("layers", "embed"), init="ones", decay=False),
-        "mlp_norm": ParamSpec((2, 128), ("layers", "embed"), init="ones", decay=False),
+        "post_attention_norm": ParamSpec((2, 128), ("layers", "embed"), init="zeros", decay=False),
+        "mlp_norm": ParamSpec((2, 128), ("layers", "embed"), init="zeros", decay=False),
         "router": ParamSpec((2, 128, 4), ("layers", "embed", "expert")),
         "w_gate": ParamSpec((2, 4, 128, 384), ("layers", "expert", "embed", "mlp")),
         "w_up": ParamSpec((2, 4, 128, 384), ("layers", "expert", "embed", "mlp")),
@@ -144,9 +144,9 @@ PARAMS = {
         "w_shared_gate": ParamSpec((2, 128, 128), ("layers", "embed", "mlp")),
         "w_shared_expert_gate": ParamSpec((2, 128), ("layers", "embed")),
         "w_shared_down": ParamSpec((2, 128, 128), ("layers", "mlp", "embed")),
-        "post_mlp_norm": ParamSpec((2, 128), ("layers", "embed"), init="ones", decay=False),
+        "post_mlp_norm": ParamSpec((2, 128), ("layers", "embed"), init="zeros", decay=False),
     },
-    "final_norm": ParamSpec((128,), ("embed",), init="ones", decay=False),
+    "final_norm": ParamSpec((128,), ("embed",), init="zeros", decay=False),
     "lm_head": ParamSpec((128, 512), ("embed", "vocab")),
 }
 
@@ -417,7 +417,7 @@ REMAT_POLICY = jax.checkpoint_policies.save_only_these_names("qkv_proj", "out_pr
 def decoder_layer(x, p, positions, segment_ids):
     """One of the 2 layers: x [batch, seq, embed] -> same. `p` holds this layer's params; `positions` and `segment_ids` [batch, seq] say where each token is in which document."""
     # norm · specs/llama_tiny.py:14 · changed by passes/gemma_block.py
-    attn_norm = rms_norm(x, p["attn_norm"], eps=1e-05)  # [batch, seq, embed=128]
+    attn_norm = rms_norm(x, 1.0 + p["attn_norm"], eps=1e-05)  # [batch, seq, embed=128]
     # attention · specs/llama_tiny.py:12 · changed by passes/quantize.py
     q = checkpoint_name(
         fp8_einsum("bse,ehd->bshd", attn_norm, p["wq"]), "qkv_proj"
@@ -433,8 +433,8 @@ def decoder_layer(x, p, positions, segment_ids):
     k_bias = k + p["bk"]  # [batch, seq, kv_heads=2, head_dim=32]
     v_bias = v + p["bv"]  # [batch, seq, kv_heads=2, head_dim=32]
     # qk_norm · passes/qk_norm.py · specs/features_tiny.py:21 · changed by passes/gemma_block.py
-    q_bias_rms_norm = rms_norm(q_bias, p["q_norm"], eps=1e-06)  # [batch, seq, heads=4, head_dim=32]
-    k_bias_rms_norm = rms_norm(k_bias, p["k_norm"], eps=1e-06)  # [batch, seq, kv_heads=2, head_dim=32]
+    q_bias_rms_norm = rms_norm(q_bias, 1.0 + p["q_norm"], eps=1e-06)  # [batch, seq, heads=4, head_dim=32]
+    k_bias_rms_norm = rms_norm(k_bias, 1.0 + p["k_norm"], eps=1e-06)  # [batch, seq, kv_heads=2, head_dim=32]
     # rope · passes/rope.py · specs/llama_tiny.py:16
     q_bias_rms_norm_rope = rope(
         q_bias_rms_norm, positions, theta=10000.0
@@ -451,12 +451,14 @@ def decoder_layer(x, p, positions, segment_ids):
         fp8_einsum("bshd,hde->bse", attn, p["wo"]), "out_proj"
     )  # [batch, seq, embed=128]
     # gemma_block · passes/gemma_block.py · specs/features_tiny.py:24
-    attn_out_rms_norm = rms_norm(attn_out, p["post_attention_norm"], eps=1e-05)  # [batch, seq, embed=128]
+    attn_out_rms_norm = rms_norm(
+        attn_out, 1.0 + p["post_attention_norm"], eps=1e-05
+    )  # [batch, seq, embed=128]
     # attention · specs/llama_tiny.py:12 · changed by passes/gemma_block.py
     x_attn = x + attn_out_rms_norm  # [batch, seq, embed=128]
     x_attn = constrain(x_attn, ("batch", "seq", "embed"))
     # norm · specs/llama_tiny.py:14 · changed by passes/gemma_block.py
-    mlp_norm = rms_norm(x_attn, p["mlp_norm"], eps=1e-05)  # [batch, seq, embed=128]
+    mlp_norm = rms_norm(x_attn, 1.0 + p["mlp_norm"], eps=1e-05)  # [batch, seq, embed=128]
     # mlp · specs/llama_tiny.py:13 · changed by passes/quantize.py
     gate = checkpoint_name(
         fp8_einsum("bse,ef->bsf", mlp_norm, p["w_gate"]), "mlp_in"
@@ -469,7 +471,7 @@ def decoder_layer(x, p, positions, segment_ids):
         fp8_einsum("bsf,fe->bse", hidden_geglu, p["w_down"]), "mlp_out"
     )  # [batch, seq, embed=128]
     # gemma_block · passes/gemma_block.py · specs/features_tiny.py:24
-    mlp_out_rms_norm = rms_norm(mlp_out, p["post_mlp_norm"], eps=1e-05)  # [batch, seq, embed=128]
+    mlp_out_rms_norm = rms_norm(mlp_out, 1.0 + p["post_mlp_norm"], eps=1e-05)  # [batch, seq, embed=128]
     # mlp · specs/llama_tiny.py:13 · changed by passes/gemma_block.py
     x_mlp = x_attn + mlp_out_rms_norm  # [batch, seq, embed=128]
     x_mlp = constrain(x_mlp, ("batch", "seq", "embed"))
@@ -480,7 +482,7 @@ def decoder_layer(x, p, positions, segment_ids):
 def moe_decoder_layer(x, p, positions, segment_ids):
     """One of the 2 moe_layers: x [batch, seq, embed] -> (same, auxiliary losses). `p` holds this layer's params; `positions` and `segment_ids` [batch, seq] say where each token is in which document."""
     # norm · specs/llama_tiny.py:14 · changed by passes/gemma_block.py
-    attn_norm = rms_norm(x, p["attn_norm"], eps=1e-05)  # [batch, seq, embed=128]
+    attn_norm = rms_norm(x, 1.0 + p["attn_norm"], eps=1e-05)  # [batch, seq, embed=128]
     # attention · specs/llama_tiny.py:12 · changed by passes/quantize.py
     q = checkpoint_name(
         fp8_einsum("bse,ehd->bshd", attn_norm, p["wq"]), "qkv_proj"
@@ -496,8 +498,8 @@ def moe_decoder_layer(x, p, positions, segment_ids):
     k_bias = k + p["bk"]  # [batch, seq, kv_heads=2, head_dim=32]
     v_bias = v + p["bv"]  # [batch, seq, kv_heads=2, head_dim=32]
     # qk_norm · passes/qk_norm.py · specs/features_tiny.py:21 · changed by passes/gemma_block.py
-    q_bias_rms_norm = rms_norm(q_bias, p["q_norm"], eps=1e-06)  # [batch, seq, heads=4, head_dim=32]
-    k_bias_rms_norm = rms_norm(k_bias, p["k_norm"], eps=1e-06)  # [batch, seq, kv_heads=2, head_dim=32]
+    q_bias_rms_norm = rms_norm(q_bias, 1.0 + p["q_norm"], eps=1e-06)  # [batch, seq, heads=4, head_dim=32]
+    k_bias_rms_norm = rms_norm(k_bias, 1.0 + p["k_norm"], eps=1e-06)  # [batch, seq, kv_heads=2, head_dim=32]
     # rope · passes/rope.py · specs/llama_tiny.py:16
     q_bias_rms_norm_rope = rope(
         q_bias_rms_norm, positions, theta=10000.0
@@ -514,12 +516,14 @@ def moe_decoder_layer(x, p, positions, segment_ids):
         fp8_einsum("bshd,hde->bse", attn, p["wo"]), "out_proj"
     )  # [batch, seq, embed=128]
     # gemma_block · passes/gemma_block.py · specs/features_tiny.py:24
-    attn_out_rms_norm = rms_norm(attn_out, p["post_attention_norm"], eps=1e-05)  # [batch, seq, embed=128]
+    attn_out_rms_norm = rms_norm(
+        attn_out, 1.0 + p["post_attention_norm"], eps=1e-05
+    )  # [batch, seq, embed=128]
     # attention · specs/llama_tiny.py:12 · changed by passes/gemma_block.py
     x_attn = x + attn_out_rms_norm  # [batch, seq, embed=128]
     x_attn = constrain(x_attn, ("batch", "seq", "embed"))
     # norm · specs/llama_tiny.py:14 · changed by passes/gemma_block.py
-    mlp_norm = rms_norm(x_attn, p["mlp_norm"], eps=1e-05)  # [batch, seq, embed=128]
+    mlp_norm = rms_norm(x_attn, 1.0 + p["mlp_norm"], eps=1e-05)  # [batch, seq, embed=128]
     # moe · passes/moe.py · specs/features_tiny.py:17
     router = jnp.einsum("bse,ex->bsx", mlp_norm, p["router"])  # [batch, seq, expert=4]
     moe, moe_aux = moe_dropless(
@@ -545,7 +549,7 @@ def moe_decoder_layer(x, p, positions, segment_ids):
     moe_and_shared = constrain(moe_and_shared, ("batch", "seq", "embed"))
     # gemma_block · passes/gemma_block.py · specs/features_tiny.py:24
     moe_and_shared_rms_norm = rms_norm(
-        moe_and_shared, p["post_mlp_norm"], eps=1e-05
+        moe_and_shared, 1.0 + p["post_mlp_norm"], eps=1e-05
     )  # [batch, seq, embed=128]
     # mlp · specs/llama_tiny.py:13 · changed by passes/moe.py, passes/gemma_block.py
     x_mlp = x_attn + moe_and_shared_rms_norm  # [batch, seq, embed=128]
@@ -580,7 +584,7 @@ def forward_with_aux(params, tokens, segment_ids=None):
         {"layers": params["layers"], "moe_layers": params["moe_layers"]},
     )  # [batch, seq, embed=128]
     # norm · specs/llama_tiny.py:14 · changed by passes/gemma_block.py
-    final_norm = rms_norm(layers, params["final_norm"], eps=1e-05)  # [batch, seq, embed=128]
+    final_norm = rms_norm(layers, 1.0 + params["final_norm"], eps=1e-05)  # [batch, seq, embed=128]
     # output · specs/features_tiny.py:13
     logits = jnp.einsum("bse,ev->bsv", final_norm, params["lm_head"])  # [batch, seq, vocab=512]
     logits = constrain(logits, ("batch", "seq", "vocab"))

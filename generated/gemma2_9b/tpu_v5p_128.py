@@ -110,32 +110,32 @@ class ParamSpec:
 PARAMS = {
     "embed": ParamSpec((256000, 3584), ("vocab", "embed"), decay=False),
     "layers": {  # stacked: one slice per layer
-        "attn_norm": ParamSpec((21, 3584), ("layers", "embed"), init="ones", decay=False),
+        "attn_norm": ParamSpec((21, 3584), ("layers", "embed"), init="zeros", decay=False),
         "wq": ParamSpec((21, 3584, 16, 256), ("layers", "embed", "heads", "head_dim")),
         "wk": ParamSpec((21, 3584, 8, 256), ("layers", "embed", "kv_heads", "head_dim")),
         "wv": ParamSpec((21, 3584, 8, 256), ("layers", "embed", "kv_heads", "head_dim")),
         "wo": ParamSpec((21, 16, 256, 3584), ("layers", "heads", "head_dim", "embed")),
-        "post_attention_norm": ParamSpec((21, 3584), ("layers", "embed"), init="ones", decay=False),
-        "mlp_norm": ParamSpec((21, 3584), ("layers", "embed"), init="ones", decay=False),
+        "post_attention_norm": ParamSpec((21, 3584), ("layers", "embed"), init="zeros", decay=False),
+        "mlp_norm": ParamSpec((21, 3584), ("layers", "embed"), init="zeros", decay=False),
         "w_gate": ParamSpec((21, 3584, 14336), ("layers", "embed", "mlp")),
         "w_up": ParamSpec((21, 3584, 14336), ("layers", "embed", "mlp")),
         "w_down": ParamSpec((21, 14336, 3584), ("layers", "mlp", "embed")),
-        "post_mlp_norm": ParamSpec((21, 3584), ("layers", "embed"), init="ones", decay=False),
+        "post_mlp_norm": ParamSpec((21, 3584), ("layers", "embed"), init="zeros", decay=False),
     },
     "global_layers": {  # stacked: one slice per layer
-        "attn_norm": ParamSpec((21, 3584), ("layers", "embed"), init="ones", decay=False),
+        "attn_norm": ParamSpec((21, 3584), ("layers", "embed"), init="zeros", decay=False),
         "wq": ParamSpec((21, 3584, 16, 256), ("layers", "embed", "heads", "head_dim")),
         "wk": ParamSpec((21, 3584, 8, 256), ("layers", "embed", "kv_heads", "head_dim")),
         "wv": ParamSpec((21, 3584, 8, 256), ("layers", "embed", "kv_heads", "head_dim")),
         "wo": ParamSpec((21, 16, 256, 3584), ("layers", "heads", "head_dim", "embed")),
-        "post_attention_norm": ParamSpec((21, 3584), ("layers", "embed"), init="ones", decay=False),
-        "mlp_norm": ParamSpec((21, 3584), ("layers", "embed"), init="ones", decay=False),
+        "post_attention_norm": ParamSpec((21, 3584), ("layers", "embed"), init="zeros", decay=False),
+        "mlp_norm": ParamSpec((21, 3584), ("layers", "embed"), init="zeros", decay=False),
         "w_gate": ParamSpec((21, 3584, 14336), ("layers", "embed", "mlp")),
         "w_up": ParamSpec((21, 3584, 14336), ("layers", "embed", "mlp")),
         "w_down": ParamSpec((21, 14336, 3584), ("layers", "mlp", "embed")),
-        "post_mlp_norm": ParamSpec((21, 3584), ("layers", "embed"), init="ones", decay=False),
+        "post_mlp_norm": ParamSpec((21, 3584), ("layers", "embed"), init="zeros", decay=False),
     },
-    "final_norm": ParamSpec((3584,), ("embed",), init="ones", decay=False),
+    "final_norm": ParamSpec((3584,), ("embed",), init="zeros", decay=False),
 }
 
 
@@ -340,7 +340,7 @@ REMAT_POLICY = jax.checkpoint_policies.save_only_these_names("qkv_proj", "out_pr
 def decoder_layer(x, p, positions, segment_ids):
     """One of the 21 layers: x [batch, seq, embed] -> same. `p` holds this layer's params; `positions` and `segment_ids` [batch, seq] say where each token is in which document."""
     # norm · specs/gemma2_9b.py:18 · changed by passes/gemma_block.py
-    attn_norm = rms_norm(x, p["attn_norm"], eps=1e-06)  # [batch, seq, embed=3584]
+    attn_norm = rms_norm(x, 1.0 + p["attn_norm"], eps=1e-06)  # [batch, seq, embed=3584]
     # attention · specs/gemma2_9b.py:16
     q = checkpoint_name(
         jnp.einsum("bse,ehd->bshd", attn_norm, p["wq"]), "qkv_proj"
@@ -363,12 +363,14 @@ def decoder_layer(x, p, positions, segment_ids):
         jnp.einsum("bshd,hde->bse", attn, p["wo"]), "out_proj"
     )  # [batch, seq, embed=3584]
     # gemma_block · passes/gemma_block.py · specs/gemma2_9b.py:22
-    attn_out_rms_norm = rms_norm(attn_out, p["post_attention_norm"], eps=1e-06)  # [batch, seq, embed=3584]
+    attn_out_rms_norm = rms_norm(
+        attn_out, 1.0 + p["post_attention_norm"], eps=1e-06
+    )  # [batch, seq, embed=3584]
     # attention · specs/gemma2_9b.py:16 · changed by passes/gemma_block.py
     x_attn = x + attn_out_rms_norm  # [batch, seq, embed=3584]
     x_attn = constrain(x_attn, ("batch", "seq", "embed"))
     # norm · specs/gemma2_9b.py:18 · changed by passes/gemma_block.py
-    mlp_norm = rms_norm(x_attn, p["mlp_norm"], eps=1e-06)  # [batch, seq, embed=3584]
+    mlp_norm = rms_norm(x_attn, 1.0 + p["mlp_norm"], eps=1e-06)  # [batch, seq, embed=3584]
     # mlp · specs/gemma2_9b.py:17
     gate = checkpoint_name(
         jnp.einsum("bse,ef->bsf", mlp_norm, p["w_gate"]), "mlp_in"
@@ -381,7 +383,7 @@ def decoder_layer(x, p, positions, segment_ids):
         jnp.einsum("bsf,fe->bse", hidden_geglu, p["w_down"]), "mlp_out"
     )  # [batch, seq, embed=3584]
     # gemma_block · passes/gemma_block.py · specs/gemma2_9b.py:22
-    mlp_out_rms_norm = rms_norm(mlp_out, p["post_mlp_norm"], eps=1e-06)  # [batch, seq, embed=3584]
+    mlp_out_rms_norm = rms_norm(mlp_out, 1.0 + p["post_mlp_norm"], eps=1e-06)  # [batch, seq, embed=3584]
     # mlp · specs/gemma2_9b.py:17 · changed by passes/gemma_block.py
     x_mlp = x_attn + mlp_out_rms_norm  # [batch, seq, embed=3584]
     x_mlp = constrain(x_mlp, ("batch", "seq", "embed"))
@@ -392,7 +394,7 @@ def decoder_layer(x, p, positions, segment_ids):
 def global_decoder_layer(x, p, positions, segment_ids):
     """One of the 21 global_layers: x [batch, seq, embed] -> same. `p` holds this layer's params; `positions` and `segment_ids` [batch, seq] say where each token is in which document."""
     # norm · specs/gemma2_9b.py:18 · changed by passes/gemma_block.py
-    attn_norm = rms_norm(x, p["attn_norm"], eps=1e-06)  # [batch, seq, embed=3584]
+    attn_norm = rms_norm(x, 1.0 + p["attn_norm"], eps=1e-06)  # [batch, seq, embed=3584]
     # attention · specs/gemma2_9b.py:16
     q = checkpoint_name(
         jnp.einsum("bse,ehd->bshd", attn_norm, p["wq"]), "qkv_proj"
@@ -415,12 +417,14 @@ def global_decoder_layer(x, p, positions, segment_ids):
         jnp.einsum("bshd,hde->bse", attn, p["wo"]), "out_proj"
     )  # [batch, seq, embed=3584]
     # gemma_block · passes/gemma_block.py · specs/gemma2_9b.py:22
-    attn_out_rms_norm = rms_norm(attn_out, p["post_attention_norm"], eps=1e-06)  # [batch, seq, embed=3584]
+    attn_out_rms_norm = rms_norm(
+        attn_out, 1.0 + p["post_attention_norm"], eps=1e-06
+    )  # [batch, seq, embed=3584]
     # attention · specs/gemma2_9b.py:16 · changed by passes/gemma_block.py
     x_attn = x + attn_out_rms_norm  # [batch, seq, embed=3584]
     x_attn = constrain(x_attn, ("batch", "seq", "embed"))
     # norm · specs/gemma2_9b.py:18 · changed by passes/gemma_block.py
-    mlp_norm = rms_norm(x_attn, p["mlp_norm"], eps=1e-06)  # [batch, seq, embed=3584]
+    mlp_norm = rms_norm(x_attn, 1.0 + p["mlp_norm"], eps=1e-06)  # [batch, seq, embed=3584]
     # mlp · specs/gemma2_9b.py:17
     gate = checkpoint_name(
         jnp.einsum("bse,ef->bsf", mlp_norm, p["w_gate"]), "mlp_in"
@@ -433,7 +437,7 @@ def global_decoder_layer(x, p, positions, segment_ids):
         jnp.einsum("bsf,fe->bse", hidden_geglu, p["w_down"]), "mlp_out"
     )  # [batch, seq, embed=3584]
     # gemma_block · passes/gemma_block.py · specs/gemma2_9b.py:22
-    mlp_out_rms_norm = rms_norm(mlp_out, p["post_mlp_norm"], eps=1e-06)  # [batch, seq, embed=3584]
+    mlp_out_rms_norm = rms_norm(mlp_out, 1.0 + p["post_mlp_norm"], eps=1e-06)  # [batch, seq, embed=3584]
     # mlp · specs/gemma2_9b.py:17 · changed by passes/gemma_block.py
     x_mlp = x_attn + mlp_out_rms_norm  # [batch, seq, embed=3584]
     x_mlp = constrain(x_mlp, ("batch", "seq", "embed"))
@@ -467,7 +471,7 @@ def forward_with_aux(params, tokens, segment_ids=None):
         {"layers": params["layers"], "global_layers": params["global_layers"]},
     )  # [batch, seq, embed=3584]
     # norm · specs/gemma2_9b.py:18 · changed by passes/gemma_block.py
-    final_norm = rms_norm(layers, params["final_norm"], eps=1e-06)  # [batch, seq, embed=3584]
+    final_norm = rms_norm(layers, 1.0 + params["final_norm"], eps=1e-06)  # [batch, seq, embed=3584]
     # output · specs/gemma2_9b.py:9
     logits = jnp.einsum("bse,ve->bsv", final_norm, params["embed"])  # tied to the input embedding
     logits = constrain(logits, ("batch", "seq", "vocab"))

@@ -1,0 +1,274 @@
+"""`axgen export-hf`: a program's params (the newest checkpoint of a run, or an `axgen convert-hf` checkpoint) as
+a Hugging Face model folder: sharded safetensors, their index, a config.json, and the tokenizer's files.
+
+The config is the spec's, written in the keys of its family's transformers config class, so that
+`AutoModelForCausalLM.from_pretrained` builds the same model; `axgen import-hf` reads it back to the same spec.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+from axgen.interop import CheckpointError, host_jax, params_to_hf
+from axgen.spec import Model
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+}
+# The features each family's HF model computes; remat and quantize shape training only, not the weights' meaning.
+TRAINING_ONLY = {"remat", "quantize"}
+FAMILY_FEATURES = {
+    "llama": {"rope"},
+    "mistral": {"rope", "sliding_window"},
+    "mixtral": {"rope", "moe"},
+    "qwen2": {"rope", "qkv_bias"},
+    "qwen3": {"rope", "qk_norm"},
+    "qwen2_moe": {"rope", "qkv_bias", "moe"},
+    "gemma2": {"rope", "gemma_block", "sliding_window", "softcap"},
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+
+
+def family(spec: Model) -> str:
+    """The HF family whose model computes what the spec does."""
+    features = {f.pass_name for f in spec.features} - TRAINING_ONLY
+    moe = spec.feature("moe")
+    if "gemma_block" in features:
+        name = "gemma2"
+    elif moe is not None:
+        name = "qwen2_moe" if moe.shared_hidden_dim else "mixtral"
+    elif "qk_norm" in features:
+        name = "qwen3"
+    elif "qkv_bias" in features:
+        name = "qwen2"
+    else:
+        name = "mistral" if "sliding_window" in features else "llama"
+    extra = sorted(features - FAMILY_FEATURES[name])
+    if extra:
+        raise CheckpointError(
+            f"{spec.origin}: {name} models in HF have no {extra[0]!r}; export-hf cannot write it"
+        )
+    return name
+
+
+def hf_config(spec: Model, dtype: str) -> dict:
+    """config.json of the spec, in its family's transformers 4.x keys (which transformers 5 reads too)."""
+    name = family(spec)
+    attention, rope = spec.decoder.attention, spec.feature("rope")
+    config = {
+        "architectures": [ARCHITECTURES[name]],
+        "model_type": name,
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.d_model,
+        "intermediate_size": spec.decoder.mlp.hidden_dim,
+        "num_hidden_layers": spec.decoder.num_layers,
+        "num_attention_heads": attention.num_heads,
+        "num_key_value_heads": attention.num_kv_heads,
+        "head_dim": attention.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": spec.decoder.norm.eps,
+        "rope_theta": rope.theta,
+        "rope_scaling": _rope_scaling(rope.scaling),
+        "tie_word_embeddings": spec.tie_embeddings,
+        "max_position_embeddings": _max_position(spec),
+        "torch_dtype": dtype,
+    }
+    # Qwen2's q, k and v biases are implied by its model type; the others say they have none.
+    no_bias = {} if name in ("qwen2", "qwen2_moe") else {"attention_bias": False}
+    return config | no_bias | FAMILY_KEYS[name](spec)
+
+
+def _max_position(spec: Model) -> int:
+    """The longest sequence the model was meant for: what it trains on, or what its RoPE scaling stretches to."""
+    trained = spec.train.seq_len if spec.train else 4096
+    scaling = spec.feature("rope").scaling
+    return max(trained, int(scaling.original_max_position * scaling.factor)) if scaling else trained
+
+
+def _rope_scaling(scaling) -> dict | None:
+    if scaling is None:
+        return None
+    return {
+        "rope_type": "llama3",
+        "factor": scaling.factor,
+        "low_freq_factor": scaling.low_freq_factor,
+        "high_freq_factor": scaling.high_freq_factor,
+        "original_max_position_embeddings": scaling.original_max_position,
+    }
+
+
+def _mistral(spec: Model) -> dict:
+    window = spec.feature("sliding_window")
+    if window is not None and window.global_every is not None:
+        raise CheckpointError(
+            f"{window.origin}: Mistral's window covers every layer; global_every has no HF key"
+        )
+    return {"sliding_window": window.window if window else None}
+
+
+def _mixtral(spec: Model) -> dict:
+    moe = spec.feature("moe")
+    if not moe.renormalize or moe.capacity_factor is not None or moe.every != 1:
+        raise CheckpointError(
+            f"{moe.origin}: Mixtral in HF routes every layer dropless and renormalises the top-k weights"
+        )
+    return {
+        "num_local_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "router_aux_loss_coef": moe.aux_loss_weight or 0.0,
+        "sliding_window": None,
+    }
+
+
+def _qwen2(spec: Model) -> dict:
+    return {"use_sliding_window": False}
+
+
+def _qwen2_moe(spec: Model) -> dict:
+    moe = spec.feature("moe")
+    if not moe.shared_gate or moe.capacity_factor is not None:
+        raise CheckpointError(f"{moe.origin}: Qwen2-MoE in HF gates its shared expert and routes dropless")
+    return {
+        "use_sliding_window": False,
+        "intermediate_size": moe.shared_hidden_dim,
+        "moe_intermediate_size": spec.decoder.mlp.hidden_dim,
+        "shared_expert_intermediate_size": moe.shared_hidden_dim,
+        "num_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "norm_topk_prob": moe.renormalize,
+        "decoder_sparse_step": moe.every,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": moe.aux_loss_weight or 0.0,
+    }
+
+
+def _gemma2(spec: Model) -> dict:
+    window, cap = spec.feature("sliding_window"), spec.feature("softcap")
+    if window is None or window.global_every != 2:
+        raise CheckpointError(
+            f"{spec.origin}: Gemma 2 in HF alternates windowed and full layers (global_every=2)"
+        )
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": spec.decoder.attention.head_dim,
+        "sliding_window": window.window,
+        "attn_logit_softcapping": cap.attention if cap else None,
+        "final_logit_softcapping": cap.final if cap else None,
+    }
+
+
+FAMILY_KEYS = {
+    "llama": lambda spec: {},
+    "mistral": _mistral,
+    "mixtral": _mixtral,
+    "qwen2": _qwen2,
+    "qwen3": _qwen2,
+    "qwen2_moe": _qwen2_moe,
+    "gemma2": _gemma2,
+}
+
+
+def load_params(checkpoint: Path) -> dict:
+    """The params of an `axgen convert-hf` checkpoint, or of the newest checkpoint of a run directory."""
+    jax = host_jax()
+    import orbax.checkpoint as ocp
+
+    checkpoint = Path(checkpoint).resolve()
+    steps = sorted((int(p.name), p) for p in (checkpoint / "checkpoints").glob("*") if p.name.isdigit())
+    path = steps[-1][1] / "default" if steps else checkpoint
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            restored = checkpointer.restore(path)
+    except (OSError, ValueError, KeyError, FileNotFoundError) as err:
+        raise CheckpointError(
+            f"{path}: not a readable orbax checkpoint ({str(err).splitlines()[0]})"
+        ) from None
+    params = restored["params"] if "opt_state" in restored else restored  # a run's state, or params alone
+    return jax.tree.map(np.asarray, params)
+
+
+def export_hf(
+    spec: Model,
+    checkpoint: Path,
+    out: Path,
+    dtype: str = "bfloat16",
+    tokenizer: Path | None = None,
+    shard_bytes: int = 5 * 2**30,
+    overwrite: bool = False,
+) -> dict[str, np.ndarray]:
+    """Writes the HF model folder at `out`, published only when complete; returns its tensors."""
+    out = Path(out).resolve()
+    if out.exists() and not overwrite:
+        raise CheckpointError(f"{out}: already exists (pass --force to replace it)")
+    config = hf_config(spec, dtype)
+    try:
+        tensors = params_to_hf(load_params(checkpoint), spec, dtype=_numpy_dtype(dtype))
+    except CheckpointError as err:
+        raise CheckpointError(f"{checkpoint}: {err}") from None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        _write_shards(staging, tensors, shard_bytes)
+        (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if tokenizer is not None:
+            _copy_tokenizer(Path(tokenizer), staging, spec)
+        staging.chmod(0o755)
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return tensors
+
+
+def _numpy_dtype(name: str):
+    import ml_dtypes
+
+    return {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}[name]
+
+
+def _write_shards(directory: Path, tensors: dict[str, np.ndarray], shard_bytes: int) -> None:
+    """As `save_pretrained` does: shards of at most `shard_bytes` in the tensors' order, and their index."""
+    shards: list[dict[str, np.ndarray]] = [{}]
+    for name, tensor in tensors.items():
+        if shards[-1] and sum(t.nbytes for t in shards[-1].values()) + tensor.nbytes > shard_bytes:
+            shards.append({})
+        shards[-1][name] = tensor
+    weight_map = {}
+    for index, shard in enumerate(shards, 1):
+        file = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(directory / file), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(shard, file)
+    total = sum(t.nbytes for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _copy_tokenizer(source: Path, directory: Path, spec: Model) -> None:
+    folder = source if source.is_dir() else source.parent
+    files = [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
+    if not any(f.name == "tokenizer.json" for f in files):
+        raise CheckpointError(f"{folder}: has no tokenizer.json")
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    if vocab > spec.vocab_size:
+        raise CheckpointError(
+            f"{folder / 'tokenizer.json'}: its {vocab} tokens exceed vocab_size={spec.vocab_size} of {spec.origin}"
+        )
+    for file in files:
+        shutil.copy2(file, directory / file.name)
