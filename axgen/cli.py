@@ -161,6 +161,7 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument(
         "--tokenizer", type=Path, help="tokenizer.json (or its folder) to copy, with its config files"
     )
+    x.add_argument("--shard-gb", type=float, default=5.0, help="largest shard, GB (5, as save_pretrained)")
     x.add_argument("--force", action="store_true", help="replace an existing --out")
     x.set_defaults(run=_export_hf)
     return parser
@@ -312,9 +313,12 @@ def _convert_hf(args) -> int:
 
 def _export_hf(args) -> int:
     spec = load_spec(args.spec)
-    tensors = export_hf(spec, args.ckpt, args.out, args.dtype, args.tokenizer, overwrite=args.force)
-    size = sum(t.nbytes for t in tensors.values())
-    print(f"wrote {args.out}: {len(tensors)} tensors of {spec.name} in {args.dtype}, {size / 2**30:.2f} GiB")
+    shard_bytes = int(args.shard_gb * 10**9)
+    written = export_hf(
+        spec, args.ckpt, args.out, args.dtype, args.tokenizer, shard_bytes, overwrite=args.force
+    )
+    size = sum(bytes_ for _, bytes_ in written.values())
+    print(f"wrote {args.out}: {len(written)} tensors of {spec.name} in {args.dtype}, {size / 2**30:.2f} GiB")
     return 0
 
 

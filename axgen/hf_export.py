@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import json
 import shutil
+import struct
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
-from safetensors.numpy import save_file
 
-from axgen.interop import CheckpointError, host_jax, params_to_hf
+from axgen.hf_weights import DTYPES
+from axgen.interop import CheckpointError, host_jax, iter_hf_tensors
 from axgen.spec import Model
 
 ARCHITECTURES = {
@@ -38,6 +41,7 @@ FAMILY_FEATURES = {
     "qwen2_moe": {"rope", "qkv_bias", "moe"},
     "gemma2": {"rope", "gemma_block", "sliding_window", "softcap"},
 }
+SAFETENSORS_DTYPES = {np.dtype(dtype): name for name, dtype in DTYPES.items()}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
 
 
@@ -206,22 +210,22 @@ def export_hf(
     out: Path,
     dtype: str = "bfloat16",
     tokenizer: Path | None = None,
-    shard_bytes: int = 5 * 2**30,
+    shard_bytes: int = 5 * 10**9,
     overwrite: bool = False,
-) -> dict[str, np.ndarray]:
-    """Writes the HF model folder at `out`, published only when complete; returns its tensors."""
+) -> dict[str, tuple[str, int]]:
+    """Writes the HF model folder at `out`, published only when complete; returns each tensor's shard and size."""
     out = Path(out).resolve()
     if out.exists() and not overwrite:
         raise CheckpointError(f"{out}: already exists (pass --force to replace it)")
     config = hf_config(spec, dtype)
-    try:
-        tensors = params_to_hf(load_params(checkpoint), spec, dtype=_numpy_dtype(dtype))
-    except CheckpointError as err:
-        raise CheckpointError(f"{checkpoint}: {err}") from None
+    params = load_params(checkpoint)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
     try:
-        _write_shards(staging, tensors, shard_bytes)
+        try:
+            written = _write_shards(staging, iter_hf_tensors(params, spec, _numpy_dtype(dtype)), shard_bytes)
+        except CheckpointError as err:
+            raise CheckpointError(f"{checkpoint}: {err}") from None
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if tokenizer is not None:
             _copy_tokenizer(Path(tokenizer), staging, spec)
@@ -232,30 +236,62 @@ def export_hf(
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return tensors
+    return written
 
 
 def _numpy_dtype(name: str):
-    import ml_dtypes
-
     return {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}[name]
 
 
-def _write_shards(directory: Path, tensors: dict[str, np.ndarray], shard_bytes: int) -> None:
-    """As `save_pretrained` does: shards of at most `shard_bytes` in the tensors' order, and their index."""
-    shards: list[dict[str, np.ndarray]] = [{}]
-    for name, tensor in tensors.items():
-        if shards[-1] and sum(t.nbytes for t in shards[-1].values()) + tensor.nbytes > shard_bytes:
+def _write_shards(directory: Path, tensors: Iterator[tuple[str, np.ndarray]], shard_bytes: int) -> dict:
+    """As `save_pretrained` lays them out: shards of at most `shard_bytes` and their index. Each tensor's bytes
+    go to disk as it comes, so the host holds one tensor at a time; a shard's header, which must come first,
+    is written once its tensors are known, and its data copied in after it."""
+    shards: list[dict[str, dict]] = []
+    bodies: list[Path] = []
+    body = None
+    for name, tensor in tensors:
+        if body is None or (shards[-1] and _size(shards[-1]) + tensor.nbytes > shard_bytes):
+            if body is not None:
+                body.close()
+            bodies.append(directory / f".body-{len(shards)}")
             shards.append({})
-        shards[-1][name] = tensor
-    weight_map = {}
-    for index, shard in enumerate(shards, 1):
-        file = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, str(directory / file), metadata={"format": "pt"})
-        weight_map |= dict.fromkeys(shard, file)
-    total = sum(t.nbytes for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            body = open(bodies[-1], "wb")
+        begin = _size(shards[-1])
+        shards[-1][name] = {
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [begin, begin + tensor.nbytes],
+        }
+        body.write(np.ascontiguousarray(tensor).reshape(-1).view(np.uint8))
+    if body is not None:
+        body.close()
+    weight_map: dict[str, tuple[str, int]] = {}
+    for number, (shard, data) in enumerate(zip(shards, bodies), 1):
+        file = f"model-{number:05d}-of-{len(shards):05d}.safetensors"
+        _write_safetensors(directory / file, shard, data)
+        weight_map |= {name: (file, e["data_offsets"][1] - e["data_offsets"][0]) for name, e in shard.items()}
+    index = {
+        "metadata": {"total_size": sum(size for _, size in weight_map.values())},
+        "weight_map": {name: file for name, (file, _) in weight_map.items()},
+    }
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return weight_map
+
+
+def _size(shard: dict[str, dict]) -> int:
+    return max((entry["data_offsets"][1] for entry in shard.values()), default=0)
+
+
+def _write_safetensors(path: Path, header: dict, data: Path) -> None:
+    """The safetensors layout: the header's length (8 bytes, little-endian), the JSON header padded with spaces
+    to a multiple of 8, then the tensors' bytes."""
+    text = json.dumps({"__metadata__": {"format": "pt"}, **header}, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f, open(data, "rb") as body:
+        f.write(struct.pack("<Q", len(text)) + text)
+        shutil.copyfileobj(body, f, 64 * 2**20)
+    data.unlink()
 
 
 def _copy_tokenizer(source: Path, directory: Path, spec: Model) -> None:

@@ -14,6 +14,7 @@ import importlib.util
 import math
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -64,9 +65,15 @@ def hf_to_params(state_dict, spec: Model, dtype=np.float32) -> dict:
     for block, param, layers in hf_layout(spec):
         if layers is None:
             params[param.key] = _hf_tensor(state_dict, param, None, dtype)
-        else:
-            tensors = [_hf_tensor(state_dict, param, layer, dtype) for layer in layers]
-            params.setdefault(block, {})[param.key] = np.stack(tensors)
+            continue
+        first = _hf_tensor(state_dict, param, layers[0], dtype)
+        stacked = np.empty(
+            (len(layers), *first.shape), first.dtype
+        )  # filled a layer at a time: no second copy
+        stacked[0] = first
+        for row, layer in enumerate(layers[1:], 1):
+            stacked[row] = _hf_tensor(state_dict, param, layer, dtype)
+        params.setdefault(block, {})[param.key] = stacked
     return params
 
 
@@ -86,20 +93,27 @@ def hf_layout(spec: Model) -> list[tuple[str | None, Param, list[int] | None]]:
 
 def params_to_hf(params: dict, spec: Model, dtype=None) -> dict[str, np.ndarray]:
     """The inverse of `hf_to_params`: the HF state dict of a program's params, each tensor in `dtype` (None: as
-    stored). A fused HF tensor is put back together from the params that are its parts."""
-    tensors: dict[str, np.ndarray] = {}
+    stored)."""
+    return dict(iter_hf_tensors(params, spec, dtype))
+
+
+def iter_hf_tensors(params: dict, spec: Model, dtype=None) -> Iterator[tuple[str, np.ndarray]]:
+    """The HF tensors of a program's params one at a time, so a writer holds one at once. A fused HF tensor comes
+    once all the params that are its parts have."""
+    layout = hf_layout(spec)
+    values = [_param_value(params, block, param, layers, spec) for block, param, layers in layout]
     parts: dict[str, dict[int, np.ndarray]] = {}
-    for block, param, layers in hf_layout(spec):
-        value = _param_value(params, block, param, layers, spec)
+    for (_, param, layers), value in zip(layout, values):
         for row, name in enumerate(hf_names(param, layers)):
             tensor = _to_hf(np.asarray(value if layers is None else value[row]), param, dtype)
             if param.hf.chunk is None:
-                tensors[name] = tensor
-            else:
-                parts.setdefault(name, {})[param.hf.chunk[0]] = tensor
-    for name, chunks in parts.items():
-        tensors[name] = np.concatenate([chunks[index] for index in sorted(chunks)], axis=-2)
-    return tensors
+                yield name, tensor
+                continue
+            index, count = param.hf.chunk
+            parts.setdefault(name, {})[index] = tensor
+            if len(parts[name]) == count:
+                chunks = parts.pop(name)
+                yield name, np.concatenate([chunks[i] for i in range(count)], axis=-2)
 
 
 def _param_value(params: dict, block: str | None, param: Param, layers: list[int] | None, spec: Model):
