@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from axgen.hf_weights import DTYPES
-from axgen.interop import CheckpointError, host_jax, iter_hf_tensors
+from axgen.interop import CheckpointError, check_replaceable, host_jax, iter_hf_tensors
 from axgen.spec import Model
 
 ARCHITECTURES = {
@@ -215,8 +215,7 @@ def export_hf(
 ) -> dict[str, tuple[str, int]]:
     """Writes the HF model folder at `out`, published only when complete; returns each tensor's shard and size."""
     out = Path(out).resolve()
-    if out.exists() and not overwrite:
-        raise CheckpointError(f"{out}: already exists (pass --force to replace it)")
+    check_replaceable(out, overwrite, "config.json")
     config = hf_config(spec, dtype)
     params = load_params(checkpoint)
     out.parent.mkdir(parents=True, exist_ok=True)

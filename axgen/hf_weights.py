@@ -18,7 +18,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from axgen.interop import CheckpointError, hf_layout, hf_names, hf_to_params, host_jax
+from axgen.interop import CheckpointError, check_replaceable, hf_layout, hf_names, hf_to_params, host_jax
 from axgen.spec import Model
 
 INDEX = "model.safetensors.index.json"
@@ -130,8 +130,7 @@ def convert_hf(spec: Model, hf_dir: Path, out: Path, overwrite: bool = False) ->
     import orbax.checkpoint as ocp
 
     out = Path(out).resolve()
-    if out.exists() and not overwrite:
-        raise CheckpointError(f"{out}: already exists (pass --force to replace it)")
+    check_replaceable(out, overwrite, "_CHECKPOINT_METADATA")
     checkpoint = HFCheckpoint(hf_dir)
     check_names(checkpoint, spec, str(hf_dir))
     params = hf_to_params(checkpoint, spec, dtype=None)

@@ -132,3 +132,16 @@ def test_fine_tuning_from_a_converted_checkpoint_lowers_its_loss(program, tmp_pa
     assert f"params from {tmp_path / 'ckpt'}, a fresh optimizer state" in log
     losses = [float(line.split(" | ")[1].split()[1]) for line in log.splitlines() if line.startswith("step ")]
     assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_force_replaces_a_checkpoint_and_nothing_else(tmp_path, capsys):
+    save_sharded(tmp_path / "hf", state_dict())
+    assert convert(capsys, tmp_path / "hf", tmp_path / "ckpt")[0] == 0
+    code, output = convert(capsys, tmp_path / "hf", tmp_path / "ckpt")
+    assert code == 2 and "already exists (pass --force to replace it)" in output
+    assert convert(capsys, tmp_path / "hf", tmp_path / "ckpt", "--force")[0] == 0
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine/notes.txt").write_text("keep me")
+    code, output = convert(capsys, tmp_path / "hf", tmp_path / "mine", "--force")
+    assert code == 2 and "has no _CHECKPOINT_METADATA, so --force will not replace it" in output
+    assert (tmp_path / "mine/notes.txt").read_text() == "keep me"
