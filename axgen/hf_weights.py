@@ -2,8 +2,8 @@
 model.safetensors) becomes an orbax checkpoint of the emitted program's params, which the program starts from with
 `--init-from`.
 
-Tensors are read one at a time from memory-mapped shards and keep their dtype (bf16 stays bf16; the program casts
-to its own on restore), so the host holds the params once, plus one param's layers while they are stacked.
+Tensors are read one at a time and keep their dtype (bf16 stays bf16; the program casts to its own on restore),
+so the host holds the params once, plus one tensor while a param's layers are stacked (bench/hf_convert.py).
 """
 
 from __future__ import annotations
