@@ -61,6 +61,7 @@ def write_atomically(path: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
+        os.chmod(tmp, 0o644)  # mkstemp's file is private; a program or spec is as readable as any source file
         os.replace(tmp, path)
     except BaseException:
         os.unlink(tmp)

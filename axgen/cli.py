@@ -183,6 +183,8 @@ def _jobs(args) -> list[tuple[Path, str, Path]]:
     """(spec file, target, output path) for every program the command covers."""
     if args.all == bool(args.spec):
         raise SpecError("give a spec file or --all (not both)")
+    if args.all and args.out:
+        raise SpecError("--out names one program's file; --all writes each into generated/")
     spec_files = (
         sorted(p for p in SPECS.glob("*.py") if p.name != "__init__.py") if args.all else [Path(args.spec)]
     )
@@ -190,9 +192,13 @@ def _jobs(args) -> list[tuple[Path, str, Path]]:
     for spec_file in spec_files:
         spec = load_spec(spec_file)
         targets = [args.target] if args.target else list(spec.targets)
+        if args.out and len(targets) > 1:
+            raise SpecError(
+                f"--out names one file; {spec_file} declares {len(targets)} targets: pick one with --target"
+            )
         for target in targets:
             family_for(spec, target)
-            out = args.out if args.out and not args.all else default_output(spec_file, target, GENERATED)
+            out = args.out or default_output(spec_file, target, GENERATED)
             jobs.append((spec_file, target, out))
     return jobs
 

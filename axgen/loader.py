@@ -21,6 +21,8 @@ def load_spec(path: str | Path) -> Model:
     path = Path(path)
     if not path.is_file():
         raise SpecError(f"{path}: no such spec file")
+    if path.suffix != ".py":
+        raise SpecError(f"{path}: a spec file is Python and ends in .py")
     module = _import(path.resolve())
     spec = getattr(module, "spec", None)
     if not isinstance(spec, Model):
@@ -45,7 +47,11 @@ def _import(path: Path):
         module_spec.loader.exec_module(module)
     except SpecError:
         raise
-    except Exception as err:  # any error in user code becomes one line naming its spec line
+    except (
+        Exception,
+        SystemExit,
+        KeyboardInterrupt,
+    ) as err:  # whatever user code raises: one line, its spec line
         raise SpecError(f"{_user_frame(err)}: {_describe(err)}") from None
     sys.modules[name] = module
     return module

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import re
 import sys
 import types
@@ -176,8 +177,11 @@ class SpecNode:
             if f.name == "origin":
                 continue
             expected = hints[f.name]
-            if not _matches(getattr(self, f.name), expected):
+            value = getattr(self, f.name)
+            if not _matches(value, expected):
                 self.fail(f.name, f"must be {_type_name(expected)}")
+            if isinstance(value, float) and not math.isfinite(value):
+                self.fail(f.name, "must be a finite number")
 
 
 def _matches(value, expected) -> bool:

@@ -72,6 +72,7 @@ def test_emitted_files_import_only_the_allowed_libraries():
         "json",
         "math",
         "os",
+        "sys",
         "time",
     }
     # The loader is the program's own numpy reader (README: chosen against grain); tensorboardX writes the events.

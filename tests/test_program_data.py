@@ -142,3 +142,20 @@ def test_evaluation_needs_an_eval_split(program, tmp_path):
     write_dataset(tmp_path / "d", documents(), vocab_size=256, bos_id=None, eos_id=0, eval_fraction=0)
     message = run_main(program, "--data", tmp_path / "d", "--eval-every", "5")
     assert f"{tmp_path / 'd'} has no eval split" in message
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--batch", "0", "argument --batch: must be >= 1, got 0"),
+        ("--batch", "-4", "argument --batch: must be >= 1, got -4"),
+        ("--log-every", "0", "argument --log-every: must be >= 1, got 0"),
+        ("--steps", "0", "argument --steps: must be >= 1, got 0"),
+        ("--eval-every", "-1", "argument --eval-every: must be >= 0, got -1"),
+    ],
+)
+def test_a_bad_flag_exits_2_with_one_line(program, flag, value, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        program.parse_args(["--data", "d", "--run-dir", "r", flag, value])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(message)

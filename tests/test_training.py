@@ -2,16 +2,37 @@
 results."""
 
 import json
+import subprocess
+import sys
 
 import jax
 import numpy as np
-from tests.conftest import ROOT, train, train_log
+from tests.conftest import ROOT, program_args, train, train_log
 
 from axgen.cli import main as axgen
 from axgen.interop import load_program
 
 CPU_8 = ROOT / "generated/llama_tiny/cpu_8.py"
 EVAL = ("--eval-every", "10", "--eval-batches", "2")
+
+
+def checkpoints(run_dir) -> list[int]:
+    return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def test_steps_at_or_below_the_resumed_step_are_refused(corpus, tmp_path):
+    train(CPU_8, corpus, tmp_path, 3)
+    result = subprocess.run(
+        [sys.executable, str(CPU_8), *program_args(corpus, tmp_path, 3)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert result.returncode == 2
+    assert result.stderr.strip().endswith(
+        f"error: --steps 3 is not beyond step 3, where {tmp_path / 'checkpoints'} resumes"
+    )
+    assert checkpoints(tmp_path) == [3]
 
 
 def records(run_dir, key):
@@ -23,7 +44,9 @@ def records(run_dir, key):
 def test_loss_falls_and_resume_matches_uninterrupted_run_bit_for_bit(corpus, tmp_path):
     uninterrupted = train(CPU_8, corpus, tmp_path / "a", 20, *EVAL)
     train(CPU_8, corpus, tmp_path / "b", 8, *EVAL)
+    assert checkpoints(tmp_path / "b") == [8], "saved at the end only: no save of step 1, none between"
     second_half = train(CPU_8, corpus, tmp_path / "b", 20, *EVAL)
+    assert checkpoints(tmp_path / "b") == [8, 20]
 
     assert sorted(uninterrupted) == list(range(1, 21))
     assert uninterrupted[20] < uninterrupted[1] - 1.5, uninterrupted

@@ -48,6 +48,9 @@ BAD_SPECS = [
     ),
     ("type", "num_layers=2", 'num_layers="2"', 8, "Decoder.num_layers='2' must be an int"),
     ("eps", "eps=1e-5", "eps=-1.0", 12, "RMSNorm.eps=-1.0 must be > 0"),
+    ("nan", "eps=1e-5", 'eps=float("nan")', 12, "RMSNorm.eps=nan must be a finite number"),
+    ("inf", "theta=10_000.0", 'theta=float("inf")', 14, "RoPE.theta=inf must be a finite number"),
+    ("exit", "spec = Model(", "import sys\nsys.exit(3)\nspec = Model(", 5, "SystemExit: 3"),
     (
         "unknown_field",
         "num_heads=4,",
@@ -268,3 +271,22 @@ def test_a_spec_anywhere_derives_from_a_bundled_one_through_axgen_specs(tmp_path
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("graph long-llama\n")
+
+
+def test_a_spec_file_must_be_python(tmp_path):
+    path = tmp_path / "model.yaml"
+    path.write_text(GOOD)
+    with pytest.raises(SpecError, match=r"model.yaml: a spec file is Python and ends in \.py$"):
+        load_spec(path)
+
+
+def test_build_out_names_one_program(tmp_path, capsys):
+    spec = tmp_path / "two_targets.py"
+    spec.write_text(GOOD.replace('targets=["cpu-8"]', 'targets=["cpu-8", "cpu-1"]'))
+    assert axgen(["build", str(spec), "--out", str(tmp_path / "p.py")]) == 2
+    assert "declares 2 targets: pick one with --target" in capsys.readouterr().err
+    assert axgen(["build", "--all", "--out", str(tmp_path / "p.py")]) == 2
+    assert "--all writes each into generated/" in capsys.readouterr().err
+    assert not (tmp_path / "p.py").exists()
+    assert axgen(["build", str(spec), "--target", "cpu-1", "--out", str(tmp_path / "p.py")]) == 0
+    assert (tmp_path / "p.py").stat().st_mode & 0o777 == 0o644, "as readable as any source file"

@@ -16,6 +16,7 @@ import functools
 import json
 import math
 import os
+import sys
 import time
 
 import jax
@@ -665,28 +666,32 @@ def restore_or_init(manager, mesh, seed, init_from=None):
 
 class MetricsLog:
     """Records for RUN_DIR/metrics.jsonl (appended to, so a resumed run continues it) and for TensorBoard, from
-    process 0 only; `axgen report RUN_DIR` draws them."""
+    process 0 only; `axgen report RUN_DIR` draws them. The files open with the first record, and close when the
+    context ends, however it ends: TensorBoard's writer thread must stop before the interpreter does."""
 
     def __init__(self, run_dir):
-        self.writing = jax.process_index() == 0
-        if self.writing:
-            self.jsonl = open(os.path.join(run_dir, "metrics.jsonl"), "a")
-            self.tensorboard = tensorboardX.SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        self.run_dir, self.jsonl, self.tensorboard = run_dir, None, None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exception):
+        if self.jsonl is not None:
+            self.jsonl.close()
+            self.tensorboard.close()
 
     def write(self, step, **values):
-        if not self.writing:
+        if jax.process_index() != 0:
             return
+        if self.jsonl is None:
+            self.jsonl = open(os.path.join(self.run_dir, "metrics.jsonl"), "a")
+            self.tensorboard = tensorboardX.SummaryWriter(os.path.join(self.run_dir, "tensorboard"))
         record = {"step": step, **{name: value for name, value in values.items() if value is not None}}
         self.jsonl.write(json.dumps(record) + "\n")
         self.jsonl.flush()
         for name, value in record.items():
             if name != "step":
                 self.tensorboard.add_scalar(name, value, step)
-
-    def close(self):
-        if self.writing:
-            self.jsonl.close()
-            self.tensorboard.close()
 
 
 class Progress:
@@ -762,6 +767,13 @@ def positive(text):
     return value
 
 
+def nonnegative(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def restore_params(path, mesh):
     """Params from an `axgen convert-hf` checkpoint, restored straight into this mesh's shardings and cast to the
     program's dtype."""
@@ -785,13 +797,16 @@ def parse_args(argv):
     parser.add_argument(
         "--run-dir", required=True, help="checkpoints (the newest is resumed), metrics.jsonl, TensorBoard"
     )
-    parser.add_argument("--steps", type=int, default=CONFIG["steps"], help="stop after this global step")
+    parser.add_argument("--steps", type=positive, default=CONFIG["steps"], help="stop after this global step")
     parser.add_argument(
         "--batch", type=positive, default=CONFIG["global_batch"], help="global batch in sequences"
     )
     parser.add_argument("--log-every", type=positive, default=10)
     parser.add_argument(
-        "--eval-every", type=int, default=0, help="steps between evaluations, and one at the end (0: none)"
+        "--eval-every",
+        type=nonnegative,
+        default=0,
+        help="steps between evaluations, and one at the end (0: none)",
     )
     parser.add_argument(
         "--eval-batches", type=positive, default=10, help="at most this many batches per evaluation"
@@ -840,8 +855,18 @@ def main(argv=None):
     os.makedirs(args.run_dir, exist_ok=True)
     checkpoints = os.path.abspath(os.path.join(args.run_dir, "checkpoints"))
     options = ocp.CheckpointManagerOptions(save_interval_steps=CONFIG["checkpoint_every"], max_to_keep=3)
-    log = MetricsLog(args.run_dir)
-    with jax.set_mesh(mesh), ocp.CheckpointManager(checkpoints, options=options) as manager:
+    with (
+        jax.set_mesh(mesh),
+        ocp.CheckpointManager(checkpoints, options=options) as manager,
+        MetricsLog(args.run_dir) as log,
+    ):
+        if (manager.latest_step() or 0) >= args.steps:
+            print(
+                f"error: --steps {args.steps} is not beyond step {manager.latest_step()}, where {checkpoints} "
+                "resumes",
+                file=sys.stderr,
+            )
+            return 2  # out of the with first: orbax's threads stop before the interpreter does
         state, origin = restore_or_init(manager, mesh, CONFIG["seed"], args.init_from)
         step_fn, eval_fn = compile_train_step(mesh), compile_eval_step(mesh)
         sharding = batch_sharding(mesh, args.batch)
@@ -858,13 +883,14 @@ def main(argv=None):
                 progress.train(done, jax.device_get(metrics))
             if eval_data and (done % args.eval_every == 0 or done == args.steps):
                 progress.eval(done, *evaluate(eval_fn, state["params"], eval_data, sharding, eval_batches))
-            manager.save(done, args=ocp.args.StandardSave(state))
+            if done % CONFIG["checkpoint_every"] == 0:
+                manager.save(done, args=ocp.args.StandardSave(state))
         if manager.latest_step() != int(state["step"]):
             manager.save(int(state["step"]), args=ocp.args.StandardSave(state), force=True)
         manager.wait_until_finished()
-        log.close()
         print(f"checkpoint: step {manager.latest_step()} in {checkpoints}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
