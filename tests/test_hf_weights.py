@@ -2,6 +2,8 @@
 into a sharded mesh with `--init-from`, and fine-tuned from."""
 
 import json
+import subprocess
+import sys
 
 import jax
 import ml_dtypes
@@ -145,3 +147,43 @@ def test_force_replaces_a_checkpoint_and_nothing_else(tmp_path, capsys):
     code, output = convert(capsys, tmp_path / "hf", tmp_path / "mine", "--force")
     assert code == 2 and "has no _CHECKPOINT_METADATA, so --force will not replace it" in output
     assert (tmp_path / "mine/notes.txt").read_text() == "keep me"
+
+
+def test_a_non_finite_step_never_reaches_the_params_and_enough_in_a_row_stop_the_run(
+    program, tmp_path, capsys
+):
+    state = program.init_state(jax.random.key(0))
+    state["params"]["final_norm"] = state["params"]["final_norm"].at[0].set(np.nan)
+    tokens = np.random.default_rng(0).integers(1, 128, (2, 25))
+    new_state, metrics = jax.jit(program.train_step)(state, tokens)
+    assert bool(metrics["skipped"]) and int(new_state["step"]) == 1
+    jax.tree.map(np.testing.assert_array_equal, new_state["params"], state["params"])
+    jax.tree.map(np.testing.assert_array_equal, new_state["opt_state"], state["opt_state"])
+
+    tensors = state_dict()
+    tensors["model.norm.weight"][3] = np.inf
+    save_sharded(tmp_path / "hf", tensors)
+    assert convert(capsys, tmp_path / "hf", tmp_path / "ckpt")[0] == 0
+    write_dataset(
+        tmp_path / "data", [np.arange(1, 100)] * 20, vocab_size=128, bos_id=None, eos_id=0, eval_fraction=0
+    )
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(program.__file__),
+            "--data",
+            str(tmp_path / "data"),
+            "--run-dir",
+            str(tmp_path / "run"),
+        ]
+        + ["--steps", "10", "--max-bad-steps", "3", "--init-from", str(tmp_path / "ckpt")],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "step 2: loss or gradient norm not finite; skipped (2 in a row)" in result.stdout
+    assert result.stderr.strip().endswith(
+        "error: 3 steps in a row up to step 3 had a non-finite loss or gradient norm (--max-bad-steps); the params"
+        " are the last good step's"
+    )
+    assert not (tmp_path / "run/checkpoints").exists() or not any((tmp_path / "run/checkpoints").iterdir())

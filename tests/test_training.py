@@ -1,7 +1,9 @@
 """The emitted CPU program trains on 8 fake devices, evaluates, logs, resumes exactly, and shards without changing
 results."""
 
+import fcntl
 import json
+import os
 import subprocess
 import sys
 
@@ -85,3 +87,21 @@ def test_sharded_forward_equals_single_device_forward():
         assert not sharded_params["layers"]["wq"].sharding.is_fully_replicated
         sharded = jax.jit(program.forward)(sharded_params, tokens)
     np.testing.assert_allclose(np.asarray(sharded), np.asarray(single), rtol=1e-5, atol=1e-5)
+
+
+def test_a_second_run_on_the_same_directory_is_refused_naming_the_first(corpus, tmp_path):
+    tmp_path.mkdir(exist_ok=True)
+    with open(tmp_path / ".lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.write(f"pid {os.getpid()} on this test")
+        held.flush()
+        result = subprocess.run(
+            [sys.executable, str(CPU_8), *program_args(corpus, tmp_path, 2)], capture_output=True, text=True
+        )
+    assert result.returncode == 1
+    assert (
+        result.stderr.strip()
+        == f"error: {tmp_path} is in use by another run (pid {os.getpid()} on this test)"
+    )
+    assert not (tmp_path / "checkpoints").exists()
+    train(CPU_8, corpus, tmp_path, 2)  # the lock of a run that ended does not hold

@@ -11,11 +11,14 @@ Run `python trn2_64.py --data DATASET --run-dir DIR` to train on an `axgen data`
 import argparse
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
+import fcntl
 import functools
 import json
 import math
 import os
+import socket
 import sys
 import time
 
@@ -426,7 +429,15 @@ def train_step(state, tokens, segment_ids=None):
     params = optax.apply_updates(state["params"], updates)
     params = jax.tree.map(lambda p, new, spec: p if spec.trained else new, params, statistics, PARAMS)
     metrics |= {"loss": loss, "grad_norm": optax.tree.norm(grads), "lr": LEARNING_RATE(state["step"])}
-    return {"step": state["step"] + 1, "params": params, "opt_state": opt_state}, metrics
+    # A non-finite loss or gradient never reaches the params or the optimizer's moments: the step is skipped.
+    finite = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"])
+    kept = jax.tree.map(
+        lambda new, old: jnp.where(finite, new, old),
+        (params, opt_state),
+        (state["params"], state["opt_state"]),
+    )
+    metrics["skipped"] = jnp.logical_not(finite)
+    return {"step": state["step"] + 1, "params": kept[0], "opt_state": kept[1]}, metrics
 
 
 def batch_sharding(mesh, global_batch):
@@ -700,6 +711,58 @@ class Progress:
         )
 
 
+class NonFiniteGuard:
+    """Counts the steps train_step skipped for a non-finite loss or gradient norm, and stops the run after
+    `limit` in a row; the params are then the last good step's, as is every checkpoint saved since. Each step's
+    flag is read one step late, so the host never waits on the step it has just dispatched."""
+
+    def __init__(self, limit):
+        self.limit, self.in_a_row, self.skipped, self.pending = limit, 0, 0, None
+
+    def after(self, step, skipped):
+        previous, self.pending = self.pending, (step, skipped)
+        if previous is not None:
+            self._count(*previous)
+
+    def finish(self):
+        if self.pending is not None:
+            self._count(*self.pending)
+            self.pending = None
+
+    def _count(self, step, skipped):
+        if not bool(skipped):
+            self.in_a_row = 0
+            return
+        self.in_a_row += 1
+        self.skipped += 1
+        print(
+            f"step {step}: loss or gradient norm not finite; skipped ({self.in_a_row} in a row)", flush=True
+        )
+        if self.in_a_row >= self.limit:
+            raise SystemExit(
+                f"error: {self.in_a_row} steps in a row up to step {step} had a non-finite loss or gradient norm"
+                " (--max-bad-steps); the params are the last good step's"
+            )
+
+
+def lock_run_dir(run_dir):
+    """RUN_DIR/.lock, held while the returned context is open, so a second run on the same directory is refused,
+    naming this one; the kernel drops the lock of a process that dies. Process 0 holds it for the whole job.
+    """
+    if jax.process_index() != 0:
+        return contextlib.nullcontext()
+    lock = open(os.path.join(run_dir, ".lock"), "a+")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.seek(0)
+        raise SystemExit(f"error: {run_dir} is in use by another run ({lock.read().strip()})")
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
+    lock.flush()
+    return lock
+
+
 def device_memory():
     """Peak bytes in use on this process's first device, or None where the platform does not say (CPU)."""
     stats = jax.local_devices()[0].memory_stats()
@@ -772,6 +835,9 @@ def parse_args(argv):
         "--eval-data", help="dataset directory to evaluate on (default: the eval split of --data)"
     )
     parser.add_argument(
+        "--max-bad-steps", type=positive, default=10, help="non-finite steps in a row that stop the run"
+    )
+    parser.add_argument(
         "--init-from", help="`axgen convert-hf` checkpoint to start from when --run-dir has none"
     )
     parser.add_argument(
@@ -818,6 +884,7 @@ def main(argv=None):
     checkpoints = os.path.abspath(os.path.join(args.run_dir, "checkpoints"))
     options = ocp.CheckpointManagerOptions(save_interval_steps=CONFIG["checkpoint_every"], max_to_keep=3)
     with (
+        lock_run_dir(args.run_dir),
         jax.set_mesh(mesh),
         ocp.CheckpointManager(checkpoints, options=options) as manager,
         MetricsLog(args.run_dir) as log,
@@ -835,18 +902,21 @@ def main(argv=None):
         start = int(state["step"])
         print(f"{CONFIG['model']} on {jax.device_count()} devices, mesh {MESH_SHAPE}: {origin}", flush=True)
         progress = Progress(log, start, args.steps, args.batch * CONFIG["seq_len"])
+        guard = NonFiniteGuard(args.max_bad_steps)
         steps = range(start, args.steps)
         for step, local_batch in zip(steps, prefetched(train_data.local_batch, steps)):
             state, metrics = step_fn(
                 state, *(jax.make_array_from_process_local_data(sharding, x) for x in local_batch)
             )
             done = step + 1
+            guard.after(done, metrics["skipped"])
             if step == start or done % args.log_every == 0 or done == args.steps:
                 progress.train(done, jax.device_get(metrics))
             if eval_data and (done % args.eval_every == 0 or done == args.steps):
                 progress.eval(done, *evaluate(eval_fn, state["params"], eval_data, sharding, eval_batches))
             if done % CONFIG["checkpoint_every"] == 0:
                 manager.save(done, args=ocp.args.StandardSave(state))
+        guard.finish()
         if manager.latest_step() != int(state["step"]):
             manager.save(int(state["step"]), args=ocp.args.StandardSave(state), force=True)
         manager.wait_until_finished()
