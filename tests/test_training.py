@@ -105,3 +105,12 @@ def test_a_second_run_on_the_same_directory_is_refused_naming_the_first(corpus, 
     )
     assert not (tmp_path / "checkpoints").exists()
     train(CPU_8, corpus, tmp_path, 2)  # the lock of a run that ended does not hold
+
+
+def test_a_restarted_run_reuses_its_compiled_step_from_the_cache(corpus, tmp_path):
+    cache = tmp_path / "cache"
+    train(CPU_8, corpus, tmp_path / "run", 2, "--compilation-cache", str(cache))
+    entries = sorted(p.name for p in cache.iterdir())
+    assert entries, "the train step's executable is kept"
+    train(CPU_8, corpus, tmp_path / "run", 4, "--compilation-cache", str(cache))
+    assert sorted(p.name for p in cache.iterdir()) == entries, "the resumed run compiled nothing new"

@@ -686,11 +686,14 @@ def prefetched(make_batch, steps, depth=2):
 # --- runtime, checkpoints, metrics, main ---------------------------------------------------------------------
 
 
-def configure_runtime():
+def configure_runtime(compilation_cache=None):
     """Sets the target's platform and flags before jax starts its backend, and joins the other hosts when there
-    are any."""
+    are any. With a `compilation_cache` folder, compiled steps persist there: a restarted run does not compile
+    again."""
     if "JAX_PLATFORMS" not in os.environ:
         jax.config.update("jax_platforms", PLATFORM)
+    if compilation_cache:
+        jax.config.update("jax_compilation_cache_dir", compilation_cache)
     os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *XLA_FLAGS]).strip()
     if NUM_HOSTS > 1:
         jax.distributed.initialize()
@@ -925,6 +928,11 @@ def parse_args(argv):
         "--eval-data", help="dataset directory to evaluate on (default: the eval split of --data)"
     )
     parser.add_argument(
+        "--compilation-cache",
+        default=os.path.join(os.path.expanduser("~"), ".cache", "axgen", "jax"),
+        help="folder of compiled steps a restarted run reuses ('' turns it off)",
+    )
+    parser.add_argument(
         "--max-bad-steps", type=positive, default=10, help="non-finite steps in a row that stop the run"
     )
     parser.add_argument(
@@ -967,7 +975,7 @@ def open_data(args):
 def main(argv=None):
     args = parse_args(argv)
     train_data, eval_data, eval_batches = open_data(args)
-    configure_runtime()
+    configure_runtime(args.compilation_cache)
     CONFIG["global_batch"] = args.batch
     mesh = make_mesh()
     os.makedirs(args.run_dir, exist_ok=True)
