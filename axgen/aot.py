@@ -157,11 +157,7 @@ def _compile_here(program_path: str, spec_path: str, target: str) -> Report:
     )
     # Shardings first, outside the mesh: optax builds them from a small eager init on the host.
     step = program.compile_train_step(mesh)
-    state = jax.tree.map(
-        lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-        jax.eval_shape(lambda: program.init_state(jax.random.key(0))),
-        program.state_shardings(mesh),
-    )
+    state = program.abstract_state(mesh)
     # Token windows and their segment ids: packed documents, as the program trains on them.
     tokens = jax.ShapeDtypeStruct(
         (batch, seq_len + 1), jnp.int32, sharding=program.batch_sharding(mesh, batch)

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,17 +50,3 @@ def build(spec_path: str | Path, target: str) -> Built:
     graph, plan, passes = lowered(spec, target)
     source = emit(graph, plan, spec, passes, display_path(str(spec_path)), output_name(target))
     return Built(spec, target, plan, graph, passes, source)
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """Writes through a temporary file in the same folder, so a failure never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp's file is private; a program or spec is as readable as any source file
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise

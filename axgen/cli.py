@@ -7,16 +7,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 import time
+import typing
 from pathlib import Path
 
 from axgen.aot import AotError, compile_target, markdown
 from axgen.backends import FAMILIES, family_for
-from axgen.build import build, default_output, lowered, write_atomically
+from axgen.build import build, default_output, lowered
 from axgen.corpus import write_corpus
 from axgen.data import DataError, ReadOptions, build_dataset, summary
 from axgen.explain import explain, render
+from axgen.files import OutputError, check_output_dir, check_output_file, write_atomically
 from axgen.hf_export import export_hf
 from axgen.hf_import import HFImportError, TrainChoices, import_hf
 from axgen.hf_weights import convert_hf
@@ -45,24 +48,70 @@ def main(argv: list[str] | None = None) -> int:
         ReportError,
         HFImportError,
         CheckpointError,
+        OutputError,
     ) as err:
-        print(f"axgen: error: {err}", file=sys.stderr)
+        _print_error(err)
         return 2
     except KeyboardInterrupt:
         print("axgen: interrupted", file=sys.stderr)
         return 130
 
 
+def _print_error(err: Exception) -> None:
+    """One line whatever the message holds: an exception a spec raises itself may span several."""
+    print("axgen: error: " + " ".join(str(err).splitlines()), file=sys.stderr)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one line, as every axgen error is (its usage block left to --help)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _path(text: str) -> Path:
+    """A path argument; an empty one would silently mean the current directory."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path names nothing")
+    return Path(text)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _nonnegative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:  # false for nan too
+        raise argparse.ArgumentTypeError(f"must be >= 0 and < 1, got {text}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="axgen", description="Compile a model spec into a JAX training program."
-    )
+    parser = _Parser(prog="axgen", description="Compile a model spec into a JAX training program.")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
     b = sub.add_parser("build", help="emit the program of a spec for a target (or of every spec x target)")
     b.add_argument("spec", nargs="?", help="spec file, e.g. specs/llama2_7b.py")
     b.add_argument("--target", help="e.g. gpu-h100-8; default: every target the spec declares")
-    b.add_argument("--out", type=Path, help="output file (default generated/<spec>/<target>.py)")
+    b.add_argument("--out", type=_path, help="output file (default generated/<spec>/<target>.py)")
     b.add_argument("--all", action="store_true", help="every spec in specs/ for each of its targets")
     b.add_argument("--check", action="store_true", help="write nothing; exit 1 if generated/ is stale")
     b.set_defaults(run=_build)
@@ -90,24 +139,30 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--target", help="default: every target the spec declares")
     a.add_argument("--all", action="store_true", help="every spec in specs/ for each of its targets")
     a.add_argument("--json", action="store_true", help="one JSON object per program instead of text")
-    a.add_argument("--report", type=Path, help="also write a markdown table of the results, e.g. docs/aot.md")
-    a.add_argument("--timeout", type=float, help="seconds one compile may take")
+    a.add_argument(
+        "--report", type=_path, help="also write a markdown table of the results, e.g. docs/aot.md"
+    )
+    a.add_argument("--timeout", type=_positive_float, help="seconds one compile may take")
     a.set_defaults(run=_aot, out=None, check=False)
 
     t = sub.add_parser("targets", help="list the target patterns and their mesh rules")
     t.set_defaults(run=_targets)
 
     c = sub.add_parser("corpus", help="write the bundled demo corpus: one .txt document per stdlib module")
-    c.add_argument("out", type=Path, help="directory to write into")
+    c.add_argument("out", type=_path, help="directory to write into")
     c.set_defaults(run=_corpus)
 
     d = sub.add_parser("data", help="tokenize text, JSON Lines or Parquet files into a sharded token dataset")
     _input_arguments(d)
-    d.add_argument("--tokenizer", type=Path, required=True, help="a Hugging Face tokenizer.json")
-    d.add_argument("--out", type=Path, required=True, help="dataset directory to write")
-    d.add_argument("--eval-fraction", type=float, default=0.01, help="chance a document goes to eval (0.01)")
-    d.add_argument("--seed", type=int, default=0, help="seed of the train/eval split (0)")
-    d.add_argument("--shard-tokens", type=int, default=50_000_000, help="tokens that close a shard (50M)")
+    d.add_argument("--tokenizer", type=_path, required=True, help="a Hugging Face tokenizer.json")
+    d.add_argument("--out", type=_path, required=True, help="dataset directory to write")
+    d.add_argument(
+        "--eval-fraction", type=_fraction, default=0.01, help="chance a document goes to eval (0.01)"
+    )
+    d.add_argument("--seed", type=_nonnegative, default=0, help="seed of the train/eval split (0)")
+    d.add_argument(
+        "--shard-tokens", type=_positive, default=50_000_000, help="tokens that close a shard (50M)"
+    )
     d.add_argument("--bos", metavar="TOKEN", help="default: tokenizer_config.json's, else a well-known name")
     d.add_argument("--eos", metavar="TOKEN", help="default: tokenizer_config.json's, else a well-known name")
     d.add_argument("--force", action="store_true", help="replace an existing dataset at --out")
@@ -117,24 +172,26 @@ def _parser() -> argparse.ArgumentParser:
     tt = tok.add_parser("train", help="fit a byte-level BPE to the documents `axgen data` would read")
     _input_arguments(tt)
     tt.add_argument("--vocab-size", type=int, required=True, help="tokens: 256 bytes, 2 special, merges")
-    tt.add_argument("--out", type=Path, required=True, help="tokenizer.json (tokenizer_config.json beside)")
+    tt.add_argument("--out", type=_path, required=True, help="tokenizer.json (tokenizer_config.json beside)")
     tt.set_defaults(run=_tokenizer_train)
 
     r = sub.add_parser("report", help="draw a run's metrics.jsonl into a PNG and print a summary table")
-    r.add_argument("run_dir", type=Path, help="the --run-dir of an emitted program's run")
-    r.add_argument("--out", type=Path, help="PNG to write (default RUN_DIR/report.png)")
+    r.add_argument("run_dir", type=_path, help="the --run-dir of an emitted program's run")
+    r.add_argument("--out", type=_path, help="PNG to write (default RUN_DIR/report.png)")
     r.set_defaults(run=_report)
 
     h = sub.add_parser("import-hf", help="write a spec file from a Hugging Face config.json")
-    h.add_argument("config", type=Path, help="config.json, or a folder holding one")
-    h.add_argument("--out", type=Path, required=True, help="spec file to write, e.g. specs/my_model.py")
+    h.add_argument("config", type=_path, help="config.json, or a folder holding one")
+    h.add_argument("--out", type=_path, required=True, help="spec file to write, e.g. specs/my_model.py")
     h.add_argument("--name", help="the model's name (default: from --out, my_model.py -> my-model)")
     h.add_argument(
-        "--seq-len", type=int, help="Train.seq_len (default: max_position_embeddings, at most 4096)"
+        "--seq-len", type=_positive, help="Train.seq_len (default: max_position_embeddings, at most 4096)"
     )
-    h.add_argument("--batch", type=int, default=8, help="Train.global_batch (8)")
-    h.add_argument("--lr", type=float, default=1e-5, help="peak learning rate (1e-5, for fine-tuning)")
-    h.add_argument("--steps", type=int, default=1000, help="Train.steps (1000)")
+    h.add_argument("--batch", type=_positive, default=8, help="Train.global_batch (8)")
+    h.add_argument(
+        "--lr", type=_positive_float, default=1e-5, help="peak learning rate (1e-5, for fine-tuning)"
+    )
+    h.add_argument("--steps", type=_positive, default=1000, help="Train.steps (1000)")
     h.add_argument("--target", action="append", help="a target to declare; repeat for more (default cpu-8)")
     h.set_defaults(run=_import_hf)
 
@@ -143,25 +200,27 @@ def _parser() -> argparse.ArgumentParser:
     )
     w.add_argument("spec", help="the spec the weights are for, e.g. written by `axgen import-hf`")
     w.add_argument(
-        "--hf", type=Path, required=True, help="folder of model.safetensors or shards and their index"
+        "--hf", type=_path, required=True, help="folder of model.safetensors or shards and their index"
     )
-    w.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
+    w.add_argument("--out", type=_path, required=True, help="checkpoint directory to write")
     w.add_argument("--force", action="store_true", help="replace an existing --out")
     w.set_defaults(run=_convert_hf)
 
     x = sub.add_parser("export-hf", help="a run's (or convert-hf's) params -> a Hugging Face model folder")
     x.add_argument("spec", help="the spec the params are of")
     x.add_argument(
-        "--ckpt", type=Path, required=True, help="a --run-dir (its newest checkpoint) or a convert-hf output"
+        "--ckpt", type=_path, required=True, help="a --run-dir (its newest checkpoint) or a convert-hf output"
     )
-    x.add_argument("--out", type=Path, required=True, help="HF model folder to write")
+    x.add_argument("--out", type=_path, required=True, help="HF model folder to write")
     x.add_argument(
         "--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16", help="(bfloat16)"
     )
     x.add_argument(
-        "--tokenizer", type=Path, help="tokenizer.json (or its folder) to copy, with its config files"
+        "--tokenizer", type=_path, help="tokenizer.json (or its folder) to copy, with its config files"
     )
-    x.add_argument("--shard-gb", type=float, default=5.0, help="largest shard, GB (5, as save_pretrained)")
+    x.add_argument(
+        "--shard-gb", type=_positive_float, default=5.0, help="largest shard, GB (5, as save_pretrained)"
+    )
     x.add_argument("--force", action="store_true", help="replace an existing --out")
     x.set_defaults(run=_export_hf)
     return parser
@@ -191,6 +250,8 @@ def _jobs(args) -> list[tuple[Path, str, Path]]:
     jobs = []
     for spec_file in spec_files:
         spec = load_spec(spec_file)
+        for declared in spec.targets:  # a typo in a target this command does not build is a typo still
+            family_for(spec, declared)
         targets = [args.target] if args.target else list(spec.targets)
         if args.out and len(targets) > 1:
             raise SpecError(
@@ -205,6 +266,9 @@ def _jobs(args) -> list[tuple[Path, str, Path]]:
 
 def _build(args) -> int:
     jobs = _jobs(args)
+    if not args.check:
+        for _, _, out in jobs:
+            check_output_file(out)
     stale = []
     for spec_file, target, out in jobs:
         source = build(spec_file, target).source
@@ -245,6 +309,8 @@ def _explain(args) -> int:
 
 def _aot(args) -> int:
     """Exit 1 when a program does not fit its chip's memory (or, with --all, when a compile failed)."""
+    if args.report:
+        check_output_file(args.report)
     reports, failures = [], []
     for spec_file, target, _ in _jobs(args):
         try:
@@ -253,7 +319,7 @@ def _aot(args) -> int:
             if not args.all:
                 raise
             failures.append(str(err))
-            print(f"axgen: error: {err}", file=sys.stderr)
+            _print_error(err)
             continue
         reports.append(report)
         print(json.dumps(dataclasses.asdict(report)) if args.json else report.text(), flush=True)
@@ -273,6 +339,7 @@ def _targets(args) -> int:
 
 
 def _corpus(args) -> int:
+    check_output_dir(args.out)
     files = write_corpus(args.out)
     size = sum(path.stat().st_size for path in files)
     print(f"wrote {len(files)} documents ({size / 1e6:.1f} MB of Python source) to {args.out}")
@@ -280,6 +347,7 @@ def _corpus(args) -> int:
 
 
 def _data(args) -> int:
+    check_output_dir(args.out)
     tokenizer = load_tokenizer(args.tokenizer, bos=args.bos, eos=args.eos)
     start = time.perf_counter()
     manifest = build_dataset(
@@ -297,6 +365,7 @@ def _data(args) -> int:
 
 
 def _import_hf(args) -> int:
+    check_output_file(args.out)
     targets = tuple(args.target or ("cpu-8",))
     choices = TrainChoices(args.seq_len, args.batch, args.lr, args.steps, targets)
     spec = import_hf(args.config, args.out, choices, args.name)
@@ -307,6 +376,7 @@ def _import_hf(args) -> int:
 
 
 def _convert_hf(args) -> int:
+    check_output_dir(args.out)
     spec = load_spec(args.spec)
     params = convert_hf(spec, args.hf, args.out, overwrite=args.force)
     leaves = [
@@ -318,6 +388,7 @@ def _convert_hf(args) -> int:
 
 
 def _export_hf(args) -> int:
+    check_output_dir(args.out)
     spec = load_spec(args.spec)
     shard_bytes = int(args.shard_gb * 10**9)
     written = export_hf(
@@ -329,6 +400,8 @@ def _export_hf(args) -> int:
 
 
 def _report(args) -> int:
+    if args.out:
+        check_output_file(args.out)
     png, table = write_report(args.run_dir, args.out)
     print(table, end="")
     print(f"wrote {png}")
@@ -336,6 +409,7 @@ def _report(args) -> int:
 
 
 def _tokenizer_train(args) -> int:
+    check_output_file(args.out)
     tokenizer, skipped = train_tokenizer(args.inputs, args.vocab_size, args.out, _read_options(args))
     print(
         f"wrote {args.out} ({tokenizer.get_vocab_size()} tokens) and its tokenizer_config.json; "

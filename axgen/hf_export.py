@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -186,13 +187,26 @@ FAMILY_KEYS = {
 
 
 def load_params(checkpoint: Path) -> dict:
-    """The params of an `axgen convert-hf` checkpoint, or of the newest checkpoint of a run directory."""
+    """The params of an `axgen convert-hf` checkpoint, or of a run directory's newest checkpoint whose params match
+    the checksums saved with them (a damaged newer one is named in a warning and skipped)."""
+    checkpoint = Path(checkpoint).resolve()
+    steps = sorted((int(p.name), p) for p in (checkpoint / "checkpoints").glob("*") if p.name.isdigit())
+    if not steps:
+        return _restore(checkpoint)
+    for step, path in reversed(steps):
+        try:
+            state = _restore(path / "state")
+            _verify(state["params"], json.loads((path / "checksums" / "metadata").read_text()))
+            return state["params"]
+        except (CheckpointError, OSError, ValueError) as err:
+            print(f"warning: checkpoint step {step} in {path.parent} is damaged: {err}", file=sys.stderr)
+    raise CheckpointError(f"no checkpoint in {checkpoint / 'checkpoints'} verifies")
+
+
+def _restore(path: Path) -> dict:
     jax = host_jax()
     import orbax.checkpoint as ocp
 
-    checkpoint = Path(checkpoint).resolve()
-    steps = sorted((int(p.name), p) for p in (checkpoint / "checkpoints").glob("*") if p.name.isdigit())
-    path = steps[-1][1] / "default" if steps else checkpoint
     try:
         with ocp.StandardCheckpointer() as checkpointer:
             restored = checkpointer.restore(path)
@@ -200,8 +214,30 @@ def load_params(checkpoint: Path) -> dict:
         raise CheckpointError(
             f"{path}: not a readable orbax checkpoint ({str(err).splitlines()[0]})"
         ) from None
-    params = restored["params"] if "opt_state" in restored else restored  # a run's state, or params alone
-    return jax.tree.map(np.asarray, params)
+    return jax.tree.map(np.asarray, restored)
+
+
+def _verify(params: dict, checksums: dict[str, int]) -> None:
+    jax = host_jax()
+    for path, array in jax.tree.leaves_with_path({"params": params}):
+        name = jax.tree_util.keystr(path)
+        if checksums.get(name) != host_checksum(array):
+            raise CheckpointError(f"the checksum of state{name} differs from the one saved with it")
+
+
+_CHECKSUM_WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+
+def host_checksum(array: np.ndarray, block: int = 1 << 24) -> int:
+    """The emitted program's `checksum` of an array, computed on the host a block at a time: each word of its
+    bits times an odd weight set by its place, summed modulo 2**32."""
+    words = np.ascontiguousarray(array).reshape(-1).view(_CHECKSUM_WORDS[array.dtype.itemsize])
+    total = 0
+    for start in range(0, words.size, block):
+        chunk = words[start : start + block].astype(np.uint32)
+        weights = 2 * np.arange(start, start + chunk.size, dtype=np.uint64).astype(np.uint32) + np.uint32(1)
+        total = (total + int(np.sum(chunk * weights, dtype=np.uint32))) % 2**32
+    return total
 
 
 def export_hf(

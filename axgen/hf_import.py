@@ -18,8 +18,8 @@ from pathlib import Path
 
 import black
 
-from axgen.build import write_atomically
 from axgen.codegen.emit import BLACK_MODE
+from axgen.files import write_atomically
 from axgen.loader import load_spec
 from axgen.spec import Model
 
@@ -402,12 +402,17 @@ spec = Model(
         seq_len={seq_len},
         global_batch={choices.global_batch},
         steps={choices.steps},
-        warmup_steps={max(1, choices.steps // 100)},
+        warmup_steps={_warmup_steps(choices.steps)},
         optimizer=AdamW(lr={choices.lr!r}),
     ),
     targets={list(choices.targets)!r},
 )
 '''
+
+
+def _warmup_steps(steps: int) -> int:
+    """1% of the steps, at least 1; none for a one-step run, as Train requires fewer warmup steps than steps."""
+    return min(max(1, steps // 100), steps - 1)
 
 
 def _number(value: int | float) -> str:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import re
+import signal
 import sys
+import threading
+import time
 import traceback
 from pathlib import Path
 
@@ -15,6 +19,16 @@ from axgen.spec import Model, SpecError, display_path, suggest
 _AXGEN_DIR = str(Path(__file__).resolve().parent)
 _UNEXPECTED = re.compile(r"(\w+)\.__init__\(\) got an unexpected keyword argument '(\w+)'")
 _MISSING = re.compile(r"(\w+)\.__init__\(\) missing \d+ required keyword-only arguments?: (.+)")
+_POSITIONAL = re.compile(
+    r"(\w+)\.__init__\(\) takes (\d+) positional arguments? but (\d+) (?:were|was) given"
+)
+# A spec builds a few dataclasses in milliseconds; one still running after this long loops forever.
+SPEC_LOAD_SECONDS = 60.0
+
+
+class _LoadTimeout(BaseException):
+    """Raised inside a spec that runs past SPEC_LOAD_SECONDS; not an Exception, so the spec's own
+    `except Exception` cannot swallow it."""
 
 
 def load_spec(path: str | Path) -> Model:
@@ -44,9 +58,14 @@ def _import(path: Path):
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
     try:
-        module_spec.loader.exec_module(module)
+        with _time_limit(SPEC_LOAD_SECONDS):
+            module_spec.loader.exec_module(module)
     except SpecError:
         raise
+    except _LoadTimeout as err:
+        raise SpecError(
+            f"{_user_frame(err)}: the spec did not finish loading within {SPEC_LOAD_SECONDS:g} s"
+        ) from None
     except (
         Exception,
         SystemExit,
@@ -55,6 +74,30 @@ def _import(path: Path):
         raise SpecError(f"{_user_frame(err)}: {_describe(err)}") from None
     sys.modules[name] = module
     return module
+
+
+@contextlib.contextmanager
+def _time_limit(seconds: float):
+    """Interrupts the code run inside after `seconds` with _LoadTimeout, at the line it is executing. Only the
+    main thread receives signals; elsewhere the code runs unlimited."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise _LoadTimeout
+
+    previous_handler = signal.signal(signal.SIGALRM, interrupt)
+    previous_delay, previous_interval = signal.setitimer(signal.ITIMER_REAL, seconds)
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous_handler)
+        if previous_delay:  # a caller's own timer (a test runner's, say) goes on with the time it had left
+            left = max(previous_delay - (time.monotonic() - start), 1e-6)
+            signal.setitimer(signal.ITIMER_REAL, left, previous_interval)
 
 
 def _user_frame(err: Exception) -> str:
@@ -73,12 +116,20 @@ def _user_frame(err: Exception) -> str:
 
 def _describe(err: Exception) -> str:
     message = str(err)
+    if isinstance(err, AttributeError) and err.obj is spec_module.features:
+        known = [name for name in vars(spec_module.features) if not name.startswith("_")]
+        return f"features has no {err.name!r}{suggest(err.name, known) or '; it has ' + ', '.join(known)}"
+    positional = _POSITIONAL.search(message)
+    if positional and _fields(positional.group(1)):
+        cls_name, takes, given = positional.groups()  # both count `self`
+        return (
+            f"{cls_name} was given too many positional arguments ({int(given) - 1}, it takes "
+            f"{int(takes) - 1}); name its fields: {', '.join(_fields(cls_name))}"
+        )
     unexpected = _UNEXPECTED.search(message)
     if unexpected:
         cls_name, field_name = unexpected.groups()
-        cls = getattr(spec_module, cls_name, None)
-        fields = [f.name for f in dataclasses.fields(cls) if f.name != "origin"] if cls else []
-        return f"{cls_name} has no field {field_name!r}{suggest(field_name, fields)}"
+        return f"{cls_name} has no field {field_name!r}{suggest(field_name, _fields(cls_name))}"
     missing = _MISSING.search(message)
     if missing:
         cls_name, names = missing.groups()
@@ -87,3 +138,13 @@ def _describe(err: Exception) -> str:
         where = f"; Hugging Face configs give {', '.join(sources)}" if sources else ""
         return f"{cls_name} needs {names.replace(' and ', ', ')} (they have no default{where})"
     return f"{type(err).__name__}: {message}"
+
+
+def _fields(cls_name: str) -> list[str]:
+    """The fields a spec class takes; none for a class that is not one."""
+    cls = getattr(spec_module, cls_name, None)
+    return (
+        [f.name for f in dataclasses.fields(cls) if f.name != "origin"]
+        if dataclasses.is_dataclass(cls)
+        else []
+    )

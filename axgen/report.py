@@ -8,16 +8,17 @@ new run segment whose time adds to the total.
 
 from __future__ import annotations
 
+import io
 import json
 import math
-import os
-import secrets
 import statistics
 from pathlib import Path
 
 from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+
+from axgen.files import write_atomically
 
 METRICS_FILE = "metrics.jsonl"
 REPORT_FILE = "report.png"
@@ -248,21 +249,7 @@ def _say_none_logged(axes: Axes, text: str) -> None:
 
 
 def _save_png(figure: Figure, out: Path) -> None:
-    """Writes through a temporary file in the same folder, so a failure never leaves half a PNG."""
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.parent / f".{out.name}.{secrets.token_hex(6)}.tmp"
-        # os.open rather than mkstemp: the PNG gets the usual umask permissions, not mkstemp's owner-only ones.
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    except OSError as err:
-        raise ReportError(f"{out}: cannot write ({err.strerror})") from None
-    try:
-        with os.fdopen(fd, "wb") as f:
-            figure.savefig(f, format="png", dpi=100)
-        os.replace(tmp, out)
-    except OSError as err:
-        os.unlink(tmp)
-        raise ReportError(f"{out}: cannot write ({err.strerror})") from None
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    """Renders the whole PNG first, then writes it atomically: a failure in either never leaves half a PNG."""
+    png = io.BytesIO()
+    figure.savefig(png, format="png", dpi=100)
+    write_atomically(out, png.getvalue())

@@ -142,6 +142,11 @@ class SpecNode:
     def __post_init__(self) -> None:
         if self.origin is None:
             object.__setattr__(self, "origin", _caller_origin())
+        elif not isinstance(self.origin, Origin):
+            raise SpecError(
+                f"{_caller_origin()}: {type(self).__name__}.origin={self.origin!r} is where axgen records "
+                "the line that built the object; a spec does not set it"
+            )
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, list):
@@ -212,14 +217,19 @@ def _type_name(expected) -> str:
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_name(arg) for arg in typing.get_args(expected))
     if origin is tuple:
-        return f"a list of {_type_name(typing.get_args(expected)[0])}"
+        return f"a list of {_plural_name(typing.get_args(expected)[0])}"
     if origin is dict:
         key_type, value_type = typing.get_args(expected)
-        return f"a dict of {_type_name(key_type)} to {_type_name(value_type)}"
+        return f"a dict of {_plural_name(key_type)} to {_plural_name(value_type)}"
     if expected is type(None):
         return "None"
     article = "an" if expected.__name__[0] in "aeiou" else "a"
     return f"{article} {expected.__name__}"
+
+
+def _plural_name(expected) -> str:
+    """What a list or dict holds: `str`, `Feature`, `int or None`, without the article of a single value."""
+    return re.sub(r"\ban? ", "", _type_name(expected))
 
 
 # --- model structure -------------------------------------------------------------------------------------------
@@ -323,6 +333,9 @@ class Train(SpecNode):
 
     def validate(self) -> None:
         self.require_positive("seq_len", "global_batch", "steps", "checkpoint_every")
+        # The program seeds jax.random.key (32 bits without x64) and numpy's default_rng (no negatives) with it.
+        if not 0 <= self.seed < 2**32:
+            self.fail("seed", "must be in [0, 2**32)")
         if not 0 <= self.warmup_steps < self.steps:
             self.fail("warmup_steps", f"must be in [0, steps={self.steps})")
         if self.grad_clip is not None and self.grad_clip <= 0:
@@ -674,7 +687,7 @@ class MeshRule(SpecNode):
 
 # --- the model ---------------------------------------------------------------------------------------------------
 
-_NAME = re.compile(r"^[a-z0-9][a-z0-9._-]*$")
+_NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -690,7 +703,7 @@ class Model(SpecNode):
     tie_embeddings: bool = False
 
     def validate(self) -> None:
-        if not _NAME.match(self.name):
+        if not _NAME.fullmatch(self.name):  # `$` of re.match would let a trailing newline through
             self.fail("name", "must be lower-case letters, digits, '.', '_' or '-'")
         self.require_positive("vocab_size", "d_model")
         if not self.targets:

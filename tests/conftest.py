@@ -2,6 +2,9 @@
 
 import os
 
+# Emitted programs run as a user runs them: they set their own fake device count, which the user's XLA_FLAGS
+# would override.
+PROGRAM_ENV = dict(os.environ, JAX_PLATFORMS="cpu")
 os.environ["JAX_PLATFORMS"] = "cpu"
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
@@ -54,6 +57,8 @@ def program_args(data: Path, run_dir: Path, steps: int) -> list[str]:
 
 def run_python(*argv: str) -> str:
     """Runs `python *argv` from the project root; returns its stdout, failing the test on a non-zero exit."""
-    result = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, *argv], capture_output=True, text=True, timeout=600, cwd=ROOT, env=PROGRAM_ENV
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout

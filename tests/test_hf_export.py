@@ -13,7 +13,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 from tests.conftest import ROOT, byte_documents, run_python
 
-from axgen.build import build, write_atomically
+from axgen.build import build
+from axgen.files import write_atomically
 from axgen.cli import main as axgen
 from axgen.corpus import module_sources
 from axgen.data import write_dataset

@@ -10,9 +10,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
-from tests.conftest import ROOT, run_python
+from tests.conftest import PROGRAM_ENV, ROOT, run_python
 
-from axgen.build import build, write_atomically
+from axgen.build import build
+from axgen.files import write_atomically
 from axgen.cli import main as axgen
 from axgen.data import write_dataset
 from axgen.interop import hf_to_params, load_program
@@ -179,6 +180,7 @@ def test_a_non_finite_step_never_reaches_the_params_and_enough_in_a_row_stop_the
         + ["--steps", "10", "--max-bad-steps", "3", "--init-from", str(tmp_path / "ckpt")],
         capture_output=True,
         text=True,
+        env=PROGRAM_ENV,
     )
     assert result.returncode == 1, result.stderr[-2000:]
     assert "step 2: loss or gradient norm not finite; skipped (2 in a row)" in result.stdout

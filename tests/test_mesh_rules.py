@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from axgen.backends import plan_for
-from axgen.build import build, write_atomically
+from axgen.build import build
+from axgen.files import write_atomically
 from axgen.interop import load_program
 from axgen.loader import load_spec
 from axgen.spec import MeshRule, Remat

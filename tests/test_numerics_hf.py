@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from tests.conftest import ROOT
 
-from axgen.build import build, write_atomically
+from axgen.build import build
+from axgen.files import write_atomically
 from axgen.hf_import import TrainChoices, import_hf
 from axgen.interop import hf_to_params, load_program
 

@@ -11,6 +11,7 @@ from matplotlib.figure import Figure
 from matplotlib.image import imread
 
 from axgen import report
+from axgen.files import OutputError
 from axgen.report import ReportError, load_metrics, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -258,9 +259,9 @@ def test_a_failed_draw_leaves_no_file_behind(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
 
 
-def test_an_unwritable_output_is_a_report_error(tmp_path):
+def test_an_unwritable_output_is_an_output_error(tmp_path):
     write_metrics(tmp_path, segment(0, 100))
     (tmp_path / "taken").mkdir()
-    with pytest.raises(ReportError, match=re.escape(f"{tmp_path / 'taken'}: cannot write")):
+    with pytest.raises(OutputError, match=re.escape(f"{tmp_path / 'taken'}: cannot write")):
         write_report(tmp_path, tmp_path / "taken")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "taken"]

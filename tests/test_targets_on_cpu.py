@@ -9,7 +9,8 @@ import jax
 import numpy as np
 import pytest
 
-from axgen.build import build, write_atomically
+from axgen.build import build
+from axgen.files import write_atomically
 from axgen.interop import load_program
 from tests.conftest import ROOT, STEP_LINE, program_args, run_python
 

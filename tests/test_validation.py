@@ -154,6 +154,42 @@ BAD_SPECS = [
         14,
         "Quantize.include='layers/(q' is not a regular expression (missing ), unterminated subpattern at position 7)",
     ),
+    ("seed", "warmup_steps=10", "warmup_steps=10, seed=-1", 15, "Train.seed=-1 must be in [0, 2**32)"),
+    (
+        "name_newline",
+        'name="bad-model"',
+        'name="bad-model\\n"',
+        4,
+        "Model.name='bad-model\\n' must be lower-case letters, digits, '.', '_' or '-'",
+    ),
+    (
+        "targets_type",
+        'targets=["cpu-8"]',
+        'targets="cpu-8"',
+        4,
+        "Model.targets='cpu-8' must be a list of str",
+    ),
+    (
+        "origin",
+        "F.rope(theta=10_000.0)",
+        "F.rope(theta=10_000.0, origin=3)",
+        14,
+        "RoPE.origin=3 is where axgen records the line that built the object; a spec does not set it",
+    ),
+    (
+        "unknown_feature",
+        "F.rope(theta=10_000.0)",
+        "F.rpoe(theta=10_000.0)",
+        14,
+        "features has no 'rpoe'; did you mean 'rope'?",
+    ),
+    (
+        "positional",
+        "F.rope(theta=10_000.0)",
+        "F.rope(10_000.0)",
+        14,
+        "RoPE was given too many positional arguments (1, it takes 0); name its fields: theta, scaling",
+    ),
 ]
 
 

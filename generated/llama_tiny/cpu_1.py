@@ -14,9 +14,12 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import fcntl
+import gc
 import json
+import logging
 import math
 import os
+import signal
 import socket
 import sys
 import time
@@ -27,6 +30,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import tensorboardX
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -72,7 +76,7 @@ COMPUTE_DTYPE = jnp.float32  # parameters stay float32; matmuls run in this dtyp
 PEAK_FLOPS_PER_DEVICE = 9.6e10  # host CPU core, dense
 NUM_HOSTS = 1
 PLATFORM = "cpu"  # jax's platform, unless JAX_PLATFORMS says otherwise
-XLA_FLAGS = []  # appended to $XLA_FLAGS before jax starts
+XLA_FLAGS = []  # before jax starts; $XLA_FLAGS goes after them and wins
 ATTENTION_IMPL = "xla"
 
 # Logical axis -> mesh axes. Every sharding in this file comes from this table.
@@ -543,17 +547,31 @@ def prefetched(make_batch, steps, depth=2):
 # --- runtime, checkpoints, metrics, main ---------------------------------------------------------------------
 
 
-def configure_runtime(compilation_cache=None):
-    """Sets the target's platform and flags before jax starts its backend, and joins the other hosts when there
-    are any. With a `compilation_cache` folder, compiled steps persist there: a restarted run does not compile
-    again."""
-    if "JAX_PLATFORMS" not in os.environ:
-        jax.config.update("jax_platforms", PLATFORM)
-    if compilation_cache:
-        jax.config.update("jax_compilation_cache_dir", compilation_cache)
-    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), *XLA_FLAGS]).strip()
-    if NUM_HOSTS > 1:
-        jax.distributed.initialize()
+def configure_runtime(args):
+    """Sets the target's platform and flags before jax starts its backend, and joins the other processes of the job
+    when there are several: from --coordinator/--num-processes/--process-id (or JAX_COORDINATOR_ADDRESS,
+    JAX_NUM_PROCESSES, JAX_PROCESS_ID), else as jax detects the cluster (TPU pod, SLURM). With a compilation cache
+    folder, compiled steps persist there: a restarted run does not compile again."""
+    platform = os.environ.get("JAX_PLATFORMS") or PLATFORM
+    jax.config.update("jax_platforms", platform)
+    # On CPU, executables read back from the cache deadlocked in collectives between devices (jax 0.12.0.1, 3
+    # runs in 5): a CPU mesh of several devices compiles afresh.
+    if args.compilation_cache and (platform != "cpu" or math.prod(MESH_SHAPE.values()) == 1):
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+    # The user's own flags come last, so they win over the target's.
+    os.environ["XLA_FLAGS"] = " ".join([*XLA_FLAGS, os.environ.get("XLA_FLAGS", "")]).strip()
+    if NUM_HOSTS == 1 and (args.num_processes or 1) == 1:
+        return
+    if platform == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # A process whose peer died gets jax's error naming it once the peer misses its heartbeats, instead of waiting
+    # in a collective forever.
+    jax.distributed.initialize(
+        args.coordinator,
+        args.num_processes,
+        args.process_id,
+        heartbeat_timeout_seconds=args.heartbeat_timeout,
+    )
 
 
 def make_mesh(devices=None):
@@ -564,22 +582,213 @@ def make_mesh(devices=None):
     )
 
 
-def restore_or_init(manager, mesh, seed, init_from=None):
-    """The newest checkpoint of this run; else the params of `init_from` with a fresh optimizer; else a seeded
-    init."""
+def check_device_count():
+    expected = math.prod(MESH_SHAPE.values())
+    if jax.device_count() != expected:
+        raise SystemExit(
+            f"error: the mesh {MESH_SHAPE} needs {expected} devices; this job has {jax.device_count()}"
+            f" ({jax.process_count()} process(es) of {jax.local_device_count()})"
+        )
+
+
+def abstract_state(mesh):
+    """The train state's shapes, dtypes and shardings, without allocating it."""
+    return jax.tree.map(
+        lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+        jax.eval_shape(lambda: init_state(jax.random.key(0))),
+        state_shardings(mesh),
+    )
+
+
+def device_memory_limit():
+    """Bytes one device here may hold: its allocator's limit, or on CPU this host's memory over its devices."""
+    stats = jax.local_devices()[0].memory_stats()
+    if stats and "bytes_limit" in stats:
+        return stats["bytes_limit"]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // jax.local_device_count()
+
+
+def compile_checked(mesh, global_batch):
+    """The train step compiled ahead of time for this batch; a step XLA says needs more memory than a device here
+    has is refused before anything is allocated, instead of failing (or swapping) later."""
+    tokens = jax.ShapeDtypeStruct(
+        (global_batch, CONFIG["seq_len"] + 1), jnp.int32, sharding=batch_sharding(mesh, global_batch)
+    )
+    compiled = compile_train_step(mesh).lower(abstract_state(mesh), tokens, tokens).compile()
+    memory = compiled.memory_analysis()
+    needed = (
+        memory.argument_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes
+        + memory.temp_size_in_bytes
+    )
+    limit = device_memory_limit()
+    if needed > limit:
+        raise SystemExit(
+            f"error: a training step of {CONFIG['model']} at --batch {global_batch} needs {needed / 2**30:.1f} GiB"
+            f" per device (XLA's estimate) and a {jax.devices()[0].platform} device here has {limit / 2**30:.1f} GiB;"
+            " use more devices or a smaller model or batch"
+        )
+    return compiled
+
+
+def any_process(mesh, flag):
+    """A replicated boolean array: whether `flag` holds on any process of the job. It is a collective, so every
+    process calls it at the same point; its value can be read later, without waiting for it now."""
+    sharding = NamedSharding(mesh, P(mesh.axis_names))
+    flags = jax.make_array_from_callback((mesh.size,), sharding, lambda index: np.full(1, bool(flag)))
+    return jnp.any(flags)
+
+
+def checksum(x):
+    """32 bits of an array's contents: each word of its bits times an odd weight set by its place, summed modulo
+    2**32, so one flipped bit, or two words swapped, changes it. Computed where the array lives."""
+    words = jax.lax.bitcast_convert_type(x, CHECKSUM_WORDS[x.dtype.itemsize]).astype(jnp.uint32).ravel()
+    weights = 2 * jax.lax.iota(jnp.uint32, words.size) + 1
+    return jnp.sum(words * weights, dtype=jnp.uint32)
+
+
+CHECKSUM_WORDS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+@jax.jit
+def checksums(state):
+    return jax.tree.map(checksum, state)
+
+
+def save_checkpoint(manager, state, force=False):
+    """Saves the state with the checksum of each of its arrays (the write itself goes on in the background)."""
+    sums = jax.device_get(checksums(state))
+    recorded = {jax.tree_util.keystr(path): int(value) for path, value in jax.tree.leaves_with_path(sums)}
+    items = ocp.args.Composite(state=ocp.args.StandardSave(state), checksums=ocp.args.JsonSave(recorded))
+    manager.save(int(state["step"]), args=items, force=force)
+
+
+def verified(manager, step, abstract):
+    """The state saved at `step`, or why it cannot be trusted: an array whose checksum differs, or the first line
+    of the error reading it raised (a truncated or missing file, a missing step folder)."""
+    items = ocp.args.Composite(state=ocp.args.StandardRestore(abstract), checksums=ocp.args.JsonRestore())
+    try:
+        with unreported_read_errors():
+            restored = manager.restore(step, args=items)
+    except Exception as err:  # a damaged checkpoint fails in as many ways as it can be damaged
+        while err.__cause__ is not None:
+            err = err.__cause__
+        return None, (str(err).strip().splitlines() or [type(err).__name__])[0]
+    sums = jax.device_get(checksums(restored.state))
+    for path, value in jax.tree.leaves_with_path(sums):
+        if restored.checksums.get(jax.tree_util.keystr(path)) != int(value):
+            return (
+                None,
+                f"the checksum of state{jax.tree_util.keystr(path)} differs from the one saved with it",
+            )
+    return restored.state, None
+
+
+@contextlib.contextmanager
+def unreported_read_errors():
+    """orbax reads a checkpoint in many asyncio tasks and raises the first failure. With damaged files the other
+    reads fail too, and say so as their tasks are collected, and when tensorstore calls back into orbax's closed
+    event loop, for a while after: those echoes of the one failure reported are not printed. Any other error is.
+    """
+    asyncio_log, hook = logging.getLogger("asyncio"), sys.unraisablehook
+    level = asyncio_log.level
+    asyncio_log.setLevel(logging.CRITICAL)
+    sys.unraisablehook = lambda unraisable: None if echoes_a_failed_read(unraisable) else hook(unraisable)
+    try:
+        yield
+    except Exception:
+        gc.collect()
+        raise
+    asyncio_log.setLevel(level)
+    sys.unraisablehook = hook
+
+
+def echoes_a_failed_read(unraisable):
+    coroutine = getattr(unraisable.object, "cr_code", None)
+    from_orbax = coroutine is not None and os.sep + "orbax" + os.sep in coroutine.co_filename
+    return from_orbax or "Event loop is closed" in str(unraisable.exc_value)
+
+
+def restore_or_init(manager, mesh, run_dir, seed, init_from=None):
+    """The newest checkpoint of this run that verifies (damaged newer ones are named and moved to RUN_DIR/damaged);
+    else the params of `init_from` with a fresh optimizer; else a seeded init. Checkpoints none of which verifies
+    stop the run: starting afresh over them is the user's decision."""
     shardings = state_shardings(mesh)
-    step = manager.latest_step()
-    if step is None and init_from:
+    steps = sorted(manager.all_steps(), reverse=True)
+    if not steps and init_from:
         state = jax.jit(state_from_params, out_shardings=shardings)(restore_params(init_from, mesh))
         return state, f"params from {init_from}, a fresh optimizer state"
-    if step is None:
+    if not steps:
         return jax.jit(init_state, out_shardings=shardings)(jax.random.key(seed)), "initialised from seed"
-    abstract = jax.tree.map(
-        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-        jax.eval_shape(lambda: init_state(jax.random.key(seed))),
-        shardings,
+    abstract, damaged = abstract_state(mesh), []
+    for step in steps:
+        state, problem = verified(manager, step, abstract)
+        if not bool(jax.device_get(any_process(mesh, problem is not None))):
+            set_aside(manager, run_dir, damaged)
+            return state, f"resumed from step {step}"
+        print(
+            f"warning: checkpoint step {step} in {manager.directory} is damaged: {problem or 'on another process'}",
+            file=sys.stderr,
+            flush=True,
+        )
+        damaged.append(step)
+    raise SystemExit(
+        f"error: no checkpoint in {manager.directory} verifies (steps {', '.join(map(str, steps))});"
+        " move them away to start this run afresh"
     )
-    return manager.restore(step, args=ocp.args.StandardRestore(abstract)), f"resumed from step {step}"
+
+
+def set_aside(manager, run_dir, steps):
+    """Moves damaged checkpoints to RUN_DIR/damaged (kept, not deleted), so their steps can be saved again."""
+    if steps and jax.process_index() == 0:
+        for step in steps:
+            destination = os.path.join(run_dir, "damaged", f"{step}-{time.strftime('%Y%m%d-%H%M%S')}")
+            os.makedirs(os.path.dirname(destination), exist_ok=True)
+            os.rename(os.path.join(manager.directory, str(step)), destination)
+    if steps:
+        multihost_utils.sync_global_devices("damaged checkpoints set aside")
+        manager.reload()
+
+
+class StopSignals:
+    """SIGTERM (a preemption notice) or SIGINT asks the run to stop: every process finishes the same step, the run
+    saves a checkpoint there and exits 0. A second signal stops the process at once."""
+
+    def __init__(self, mesh):
+        self.mesh, self.received, self.pending = mesh, None, None
+
+    def __enter__(self):
+        self.previous = {
+            signum: signal.signal(signum, self.handle) for signum in (signal.SIGTERM, signal.SIGINT)
+        }
+        return self
+
+    def __exit__(self, *exception):
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def handle(self, signum, frame):
+        if self.received is not None:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.received = signal.Signals(signum).name
+        print(
+            f"{self.received}: stopping with a checkpoint after this step (again: stop at once)", flush=True
+        )
+
+    def requested(self, state):
+        """Whether every process stops after the step that made `state`; each process calls it once per step.
+        Processes agree through `any_process`, read a step late so no host waits on the step it just dispatched.
+        """
+        if jax.process_count() == 1:
+            return self.received is not None
+        if jax.devices()[0].platform == "cpu":
+            # CPU devices run programs side by side, not in turn: two programs' collectives could wait on each other.
+            jax.block_until_ready(state)
+            return bool(jax.device_get(any_process(self.mesh, self.received is not None)))
+        previous, self.pending = self.pending, any_process(self.mesh, self.received is not None)
+        return previous is not None and bool(jax.device_get(previous))
 
 
 class MetricsLog:
@@ -614,7 +823,7 @@ class MetricsLog:
 
 class Progress:
     """The progress line (loss, learning rate, gradient norm, tokens/s, MFU, time left) and the metrics log's
-    records. The first step's line times compilation; throughput counts from there."""
+    records. Throughput counts from the first step's end."""
 
     def __init__(self, log, start, end, tokens_per_step):
         self.log, self.end, self.tokens_per_step = log, end, tokens_per_step
@@ -624,7 +833,7 @@ class Progress:
     def train(self, step, metrics):
         now = time.perf_counter()
         if step == self.first + 1:
-            throughput, speed = f"compiled and ran in {now - self.began:.1f}s", {}
+            throughput, speed = f"first step in {now - self.began:.1f}s", {}
         else:
             seconds_per_step = (now - self.last_time) / (step - self.last_step)
             tokens_per_second = self.tokens_per_step / seconds_per_step
@@ -787,13 +996,36 @@ def parse_args(argv):
     parser.add_argument(
         "--compilation-cache",
         default=os.path.join(os.path.expanduser("~"), ".cache", "axgen", "jax"),
-        help="folder of compiled steps a restarted run reuses ('' turns it off)",
+        help="folder of compiled steps a restarted run reuses ('' turns it off; unused by a CPU mesh of several devices)",
     )
     parser.add_argument(
         "--max-bad-steps", type=positive, default=10, help="non-finite steps in a row that stop the run"
     )
     parser.add_argument(
         "--init-from", help="`axgen convert-hf` checkpoint to start from when --run-dir has none"
+    )
+    parser.add_argument(
+        "--coordinator",
+        default=os.environ.get("JAX_COORDINATOR_ADDRESS"),
+        help="host:port of process 0, when the job has several processes",
+    )
+    parser.add_argument(
+        "--num-processes",
+        type=positive,
+        default=os.environ.get("JAX_NUM_PROCESSES"),
+        help="processes in the job",
+    )
+    parser.add_argument(
+        "--process-id",
+        type=nonnegative,
+        default=os.environ.get("JAX_PROCESS_ID"),
+        help="this process's index in the job",
+    )
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=positive,
+        default=100,
+        help="seconds before a silent process is declared dead and the job stops",
     )
     parser.add_argument(
         "--no-document-mask",
@@ -825,9 +1057,11 @@ def open_data(args):
 
 
 def main(argv=None):
+    began = time.perf_counter()
     args = parse_args(argv)
     train_data, eval_data, eval_batches = open_data(args)
-    configure_runtime(args.compilation_cache)
+    configure_runtime(args)
+    check_device_count()
     CONFIG["global_batch"] = args.batch
     mesh = make_mesh()
     os.makedirs(args.run_dir, exist_ok=True)
@@ -836,8 +1070,9 @@ def main(argv=None):
     with (
         lock_run_dir(args.run_dir),
         jax.set_mesh(mesh),
-        ocp.CheckpointManager(checkpoints, options=options) as manager,
+        ocp.CheckpointManager(checkpoints, options=options, item_names=("state", "checksums")) as manager,
         MetricsLog(args.run_dir) as log,
+        StopSignals(mesh) as stop,
     ):
         if (manager.latest_step() or 0) >= args.steps:
             print(
@@ -846,11 +1081,17 @@ def main(argv=None):
                 file=sys.stderr,
             )
             return 2  # out of the with first: orbax's threads stop before the interpreter does
-        state, origin = restore_or_init(manager, mesh, CONFIG["seed"], args.init_from)
-        step_fn, eval_fn = compile_train_step(mesh), compile_eval_step(mesh)
-        sharding = batch_sharding(mesh, args.batch)
-        start = int(state["step"])
-        print(f"{CONFIG['model']} on {jax.device_count()} devices, mesh {MESH_SHAPE}: {origin}", flush=True)
+        started = time.perf_counter()
+        step_fn = compile_checked(mesh, args.batch)
+        compiled = time.perf_counter()
+        state, origin = restore_or_init(manager, mesh, args.run_dir, CONFIG["seed"], args.init_from)
+        start, restored = int(state["step"]), time.perf_counter()
+        eval_fn, sharding = compile_eval_step(mesh), batch_sharding(mesh, args.batch)
+        print(
+            f"{CONFIG['model']} on {jax.device_count()} devices, mesh {MESH_SHAPE}: {origin} (start-up"
+            f" {started - began:.1f}s, compile {compiled - started:.1f}s, restore {restored - compiled:.1f}s)",
+            flush=True,
+        )
         progress = Progress(log, start, args.steps, args.batch * CONFIG["seq_len"])
         guard = NonFiniteGuard(args.max_bad_steps)
         steps = range(start, args.steps)
@@ -860,17 +1101,21 @@ def main(argv=None):
             )
             done = step + 1
             guard.after(done, metrics["skipped"])
-            if step == start or done % args.log_every == 0 or done == args.steps:
+            stopping = stop.requested(state)
+            if step == start or done % args.log_every == 0 or done == args.steps or stopping:
                 progress.train(done, jax.device_get(metrics))
             if eval_data and (done % args.eval_every == 0 or done == args.steps):
                 progress.eval(done, *evaluate(eval_fn, state["params"], eval_data, sharding, eval_batches))
             if done % CONFIG["checkpoint_every"] == 0:
-                manager.save(done, args=ocp.args.StandardSave(state))
+                save_checkpoint(manager, state)
+            if stopping:
+                break
         guard.finish()
         if manager.latest_step() != int(state["step"]):
-            manager.save(int(state["step"]), args=ocp.args.StandardSave(state), force=True)
+            save_checkpoint(manager, state, force=True)
         manager.wait_until_finished()
-        print(f"checkpoint: step {manager.latest_step()} in {checkpoints}", flush=True)
+        stopped = f"stopped by {stop.received} at step {int(state['step'])}; " if stop.received else ""
+        print(f"{stopped}checkpoint: step {manager.latest_step()} in {checkpoints}", flush=True)
     return 0
 
 

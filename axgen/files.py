@@ -1,0 +1,91 @@
+"""Output files and folders: checked before a command does its work, and written whole or not at all.
+
+A file is written into a hidden temporary sibling, `.NAME.axgen-tmp-PID-XXXXXXXX`, and renamed over NAME once
+complete, so NAME never holds half a file. A writer killed before the rename (kill -9, a lost machine) leaves its
+temporary behind; the next write into that folder removes every such temporary whose writer no longer runs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from pathlib import Path
+
+TEMP_MARK = ".axgen-tmp-"
+# Only names this module makes: a leading dot, the mark, the writer's pid and 8 hex digits.
+_TEMP_NAME = re.compile(r"\..+" + re.escape(TEMP_MARK) + r"(\d+)-[0-9a-f]{8}")
+
+
+class OutputError(ValueError):
+    """One line naming an output path that cannot be written, and why."""
+
+
+def check_output_file(path: Path) -> None:
+    """Refuses a file output that could not be written: a folder already at `path`, or a parent that is a file
+    or not writable."""
+    if path.is_dir():
+        raise OutputError(f"{path}: is a directory; a file is expected here")
+    _check_parent(path)
+
+
+def check_output_dir(path: Path) -> None:
+    """Refuses a folder output that could not be written: a file already at `path`, or a parent that is a file
+    or not writable."""
+    if path.exists() and not path.is_dir():
+        raise OutputError(f"{path}: is not a directory; a directory is expected here")
+    _check_parent(path)
+
+
+def _check_parent(path: Path) -> None:
+    """The nearest existing ancestor is where the missing folders, then the output, will be created."""
+    ancestor = path.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise OutputError(f"{path}: cannot write: {ancestor} is not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise OutputError(f"{path}: cannot write: {ancestor} is not writable")
+
+
+def write_atomically(path: Path, content: str | bytes) -> None:
+    """Writes `content` (text as UTF-8) to `path` through a temporary sibling; an OSError becomes an
+    OutputError and leaves `path` as it was."""
+    data = content.encode() if isinstance(content, str) else content
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(path.parent)
+        tmp = path.with_name(f".{path.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+        # 0o644 whatever the umask: a program, spec or report is as readable as any source file.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except OSError as err:
+        raise OutputError(f"{path}: cannot write ({err.strerror})") from None
+    try:
+        with open(fd, "wb") as f:
+            os.fchmod(fd, 0o644)
+            f.write(data)
+        os.replace(tmp, path)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise OutputError(f"{path}: cannot write ({err.strerror})") from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def remove_stale_temporaries(directory: Path) -> None:
+    """Removes the temporaries that killed writers left in `directory`; a running writer's is left alone."""
+    for candidate in directory.iterdir():
+        match = _TEMP_NAME.fullmatch(candidate.name)
+        if match and not _running(int(match.group(1))):
+            candidate.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True

@@ -1,0 +1,249 @@
+"""The emitted CPU program under what clusters do to a run: preemption signals, damaged checkpoints, a model too big
+for the machine, and several processes (one of them killed)."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from tests.conftest import PROGRAM_ENV, ROOT, program_args, train
+
+from bench.faults import DAMAGE, flip_a_bit, truncate
+
+from axgen.cli import main as axgen
+
+CPU_8 = ROOT / "generated/llama_tiny/cpu_8.py"
+
+
+def checkpoints(run_dir) -> list[int]:
+    return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+
+
+def losses(run_dir) -> dict[int, float]:
+    """{step: loss} of run_dir/metrics.jsonl, the last record of a step winning."""
+    records = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+def start(run_dir, data, steps, *extra, env=PROGRAM_ENV):
+    return subprocess.Popen(
+        [sys.executable, "-u", str(CPU_8), *program_args(data, run_dir, steps), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
+
+
+def read_until(process, text) -> list[str]:
+    """The lines `process` prints up to and including the first holding `text`."""
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if text in line:
+            return lines
+    raise AssertionError(f"{text!r} never printed; stderr: {process.stderr.read()[-2000:]}")
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_0_and_the_run_resumes_there(corpus, tmp_path):
+    run = start(tmp_path, corpus, 1000)
+    read_until(run, "step 3 |")
+    run.send_signal(signal.SIGTERM)
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 0, err[:3000]
+    assert "SIGTERM: stopping with a checkpoint after this step" in out
+    stopped = int(out.split("stopped by SIGTERM at step ")[1].split(";")[0])
+    assert checkpoints(tmp_path) == [stopped]
+    assert f"checkpoint: step {stopped} in {tmp_path / 'checkpoints'}" in out
+    assert max(losses(tmp_path)) == stopped, "every step that ran is logged and saved"
+    resumed = train(CPU_8, corpus, tmp_path, stopped + 2)
+    assert sorted(resumed) == [stopped + 1, stopped + 2]
+
+
+def test_a_second_signal_stops_at_once(corpus, tmp_path):
+    run = start(tmp_path, corpus, 1000)
+    read_until(run, "step 2 |")
+    run.send_signal(signal.SIGINT)
+    read_until(run, "SIGINT: stopping")
+    run.send_signal(signal.SIGINT)
+    run.communicate(timeout=120)
+    assert run.returncode == -signal.SIGINT
+
+
+@pytest.fixture(scope="module")
+def two_checkpoints(corpus, tmp_path_factory):
+    """A run with checkpoints at steps 2 and 4, and the losses of its steps 1 to 6 run without a stop."""
+    run_dir = tmp_path_factory.mktemp("two") / "run"
+    train(CPU_8, corpus, run_dir, 2)
+    train(CPU_8, corpus, run_dir, 4)
+    reference = tmp_path_factory.mktemp("reference")
+    train(CPU_8, corpus, reference, 6)
+    return run_dir, losses(reference)
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_damaged_checkpoint_is_named_set_aside_and_the_run_resumes_from_the_one_before(
+    two_checkpoints, tmp_path, damage, corpus
+):
+    source, reference = two_checkpoints
+    run_dir = tmp_path / "run"
+    shutil.copytree(source, run_dir)
+    DAMAGE[damage](run_dir / "checkpoints" / "4")
+
+    result = subprocess.run(
+        [sys.executable, str(CPU_8), *program_args(corpus, run_dir, 6)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=PROGRAM_ENV,
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    warning = f"warning: checkpoint step 4 in {run_dir / 'checkpoints'} is damaged: "
+    assert warning in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert "resumed from step 2" in result.stdout
+    assert checkpoints(run_dir) == [2, 6]
+    assert [p.name.split("-")[0] for p in (run_dir / "damaged").iterdir()] == ["4"], "kept, not deleted"
+    assert losses(run_dir) == reference, "steps 3 to 6 ran again exactly as without the damage"
+
+
+def test_when_no_checkpoint_verifies_the_run_stops_and_keeps_them(two_checkpoints, tmp_path, corpus):
+    source, _ = two_checkpoints
+    run_dir = tmp_path / "run"
+    shutil.copytree(source, run_dir)
+    flip_a_bit(run_dir / "checkpoints" / "4")
+    truncate(run_dir / "checkpoints" / "2")
+
+    result = subprocess.run(
+        [sys.executable, str(CPU_8), *program_args(corpus, run_dir, 6)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=PROGRAM_ENV,
+    )
+    assert result.returncode == 1
+    assert len(result.stderr.strip().splitlines()) == 3, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        f"error: no checkpoint in {run_dir / 'checkpoints'} verifies (steps 4, 2); move them away to start this run"
+        " afresh"
+    )
+    assert checkpoints(run_dir) == [2, 4] and not (run_dir / "damaged").exists()
+
+
+def test_a_model_far_too_big_for_the_machine_is_refused_before_it_allocates(corpus, tmp_path):
+    spec = tmp_path / "huge.py"
+    text = (ROOT / "specs/llama_tiny.py").read_text().replace("d_model=128", "d_model=65536")
+    spec.write_text(text.replace("hidden_dim=384", "hidden_dim=131072"))
+    assert axgen(["build", str(spec), "--target", "cpu-8", "--out", str(tmp_path / "huge_program.py")]) == 0
+    result = subprocess.run(
+        [sys.executable, str(tmp_path / "huge_program.py"), *program_args(corpus, tmp_path / "run", 2)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=PROGRAM_ENV,
+    )
+    assert result.returncode == 1, result.stderr[-2000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: a training step of llama-tiny at --batch 16 needs "), line
+    assert "GiB per device (XLA's estimate) and a cpu device here has" in line
+    assert not list((tmp_path / "run" / "checkpoints").iterdir())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_processes(run_dir, data, steps, *extra):
+    """The program as a job of two processes on loopback, each with 4 of the 8 fake CPU devices."""
+    env = PROGRAM_ENV | {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    coordinator = f"127.0.0.1:{free_port()}"
+    return [
+        start(
+            run_dir,
+            data,
+            steps,
+            "--coordinator",
+            coordinator,
+            "--num-processes",
+            "2",
+            "--process-id",
+            str(i),
+            *extra,
+            env=env,
+        )
+        for i in range(2)
+    ]
+
+
+def finish(processes):
+    outputs = [process.communicate(timeout=300) for process in processes]
+    for process, (_, err) in zip(processes, outputs):
+        assert process.returncode == 0, err[-3000:]
+    return outputs
+
+
+def test_two_processes_of_four_devices_train_save_and_resume_as_one_of_eight(corpus, tmp_path):
+    finish(start_processes(tmp_path / "two", corpus, 3))
+    assert checkpoints(tmp_path / "two") == [3]
+    finish(start_processes(tmp_path / "two", corpus, 5))
+    train(CPU_8, corpus, tmp_path / "one", 5)
+
+    two, one = losses(tmp_path / "two"), losses(tmp_path / "one")
+    assert sorted(two) == sorted(one) == [1, 2, 3, 4, 5]
+    # gloo's all-reduce adds in another order than one process's: a float32 rounding apart at most.
+    assert two == pytest.approx(one, rel=1e-6)
+
+
+def test_when_a_process_dies_its_peer_exits_with_an_error_in_bounded_time(corpus, tmp_path):
+    survivor, victim = start_processes(tmp_path, corpus, 100000, "--heartbeat-timeout", "5")
+    read_until(survivor, "step 2 |")
+    victim.kill()
+    killed = time.monotonic()
+    _, err = survivor.communicate(timeout=120)
+    assert survivor.returncode != 0
+    assert time.monotonic() - killed < 60
+    assert "another task died" in err or "unhealthy" in err, err[-2000:]
+    victim.communicate()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int32", "float8_e4m3fn"])
+def test_the_hosts_checksum_is_the_programs(dtype):
+    import jax
+    import jax.numpy as jnp
+
+    from axgen.hf_export import host_checksum
+    from axgen.interop import load_program
+
+    program = load_program(CPU_8)
+    values = jax.random.normal(jax.random.key(0), (3, 1000, 7)) * 100
+    array = values.astype(jnp.dtype(dtype))
+    assert host_checksum(np.asarray(array), block=999) == int(program.checksum(array))
+    flipped = np.asarray(array).copy().view(np.uint8)
+    flipped.reshape(-1)[12345] ^= 1
+    assert host_checksum(flipped.view(array.dtype)) != int(program.checksum(array))
+
+
+def test_export_hf_takes_the_newest_checkpoint_whose_params_verify(two_checkpoints, tmp_path, capsys):
+    source, _ = two_checkpoints
+    run_dir = tmp_path / "run"
+    shutil.copytree(source, run_dir)
+    recorded = run_dir / "checkpoints/4/checksums/metadata"
+    checksums = json.loads(recorded.read_text())
+    checksums["['params']['embed']"] ^= 1
+    recorded.write_text(json.dumps(checksums))
+
+    spec = ROOT / "specs/llama_tiny.py"
+    assert axgen(["export-hf", str(spec), "--ckpt", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+    assert capsys.readouterr().err.startswith(
+        f"warning: checkpoint step 4 in {run_dir / 'checkpoints'} is damaged: the checksum of"
+        " state['params']['embed'] differs from the one saved with it"
+    )
+    assert (tmp_path / "hf/config.json").exists()
