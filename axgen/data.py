@@ -13,7 +13,6 @@ import glob
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,8 @@ from typing import TYPE_CHECKING, BinaryIO
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from axgen.files import staging_dir
 
 if TYPE_CHECKING:
     from axgen.tokenizer import LoadedTokenizer
@@ -291,11 +292,8 @@ def write_dataset(
     out_dir = Path(out_dir)
     _check_settings(vocab_size, bos_id, eos_id, eval_fraction, shard_tokens)
     _check_replaceable(out_dir, overwrite)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+    staging = staging_dir(out_dir)
     try:
-        # mkdtemp makes a private directory; a dataset is as readable as any other output.
-        staging.chmod(0o755)
         token_dtype = np.uint16 if vocab_size <= UINT16_VOCAB else np.uint32
         splits = {
             name: _SplitWriter(staging, name, token_dtype, vocab_size, bos_id, eos_id, shard_tokens)
@@ -380,7 +378,7 @@ def _publish(staging: Path, out_dir: Path, overwrite: bool) -> None:
     """Renames the finished directory into place; a dataset it replaces is moved aside first and removed
     after, so the path never holds a partial one."""
     if overwrite and out_dir.exists():
-        old = staging.with_name(staging.name.removesuffix(".partial") + ".old")
+        old = staging.with_name(staging.name + ".old")
         out_dir.rename(old)
         staging.rename(out_dir)
         shutil.rmtree(old)

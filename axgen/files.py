@@ -1,8 +1,9 @@
 """Output files and folders: checked before a command does its work, and written whole or not at all.
 
-A file is written into a hidden temporary sibling, `.NAME.axgen-tmp-PID-XXXXXXXX`, and renamed over NAME once
-complete, so NAME never holds half a file. A writer killed before the rename (kill -9, a lost machine) leaves its
-temporary behind; the next write into that folder removes every such temporary whose writer no longer runs.
+A file (or a folder: a dataset, a checkpoint, an HF model) is written into a hidden temporary sibling,
+`.NAME.axgen-tmp-PID-XXXXXXXX`, and renamed over NAME once complete, so NAME never holds half of one. A writer
+killed before the rename (kill -9, a lost machine) leaves its temporary behind; the next write into that folder
+removes every such temporary whose writer no longer runs.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import shutil
 from pathlib import Path
 
 TEMP_MARK = ".axgen-tmp-"
@@ -53,9 +55,7 @@ def write_atomically(path: Path, content: str | bytes) -> None:
     OutputError and leaves `path` as it was."""
     data = content.encode() if isinstance(content, str) else content
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale_temporaries(path.parent)
-        tmp = path.with_name(f".{path.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+        tmp = _temporary_sibling(path)
         # 0o644 whatever the umask: a program, spec or report is as readable as any source file.
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     except OSError as err:
@@ -73,12 +73,30 @@ def write_atomically(path: Path, content: str | bytes) -> None:
         raise
 
 
+def staging_dir(path: Path) -> Path:
+    """A new, empty temporary sibling folder of `path` (0o755) to fill and then rename to `path`; the caller
+    removes it if the work fails."""
+    tmp = _temporary_sibling(path)
+    tmp.mkdir(mode=0o755)
+    tmp.chmod(0o755)  # whatever the umask: an output folder is as readable as any other output
+    return tmp
+
+
+def _temporary_sibling(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(path.parent)
+    return path.with_name(f".{path.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
+
+
 def remove_stale_temporaries(directory: Path) -> None:
     """Removes the temporaries that killed writers left in `directory`; a running writer's is left alone."""
     for candidate in directory.iterdir():
         match = _TEMP_NAME.fullmatch(candidate.name)
         if match and not _running(int(match.group(1))):
-            candidate.unlink(missing_ok=True)
+            if candidate.is_dir() and not candidate.is_symlink():
+                shutil.rmtree(candidate, ignore_errors=True)
+            else:
+                candidate.unlink(missing_ok=True)
 
 
 def _running(pid: int) -> bool:

@@ -11,13 +11,13 @@ import json
 import shutil
 import struct
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
+from axgen.files import staging_dir
 from axgen.hf_weights import DTYPES
 from axgen.interop import CheckpointError, check_replaceable, host_jax, iter_hf_tensors
 from axgen.spec import Model
@@ -254,8 +254,7 @@ def export_hf(
     check_replaceable(out, overwrite, "config.json")
     config = hf_config(spec, dtype)
     params = load_params(checkpoint)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    staging = staging_dir(out)
     try:
         try:
             written = _write_shards(staging, iter_hf_tensors(params, spec, _numpy_dtype(dtype)), shard_bytes)
@@ -264,7 +263,6 @@ def export_hf(
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if tokenizer is not None:
             _copy_tokenizer(Path(tokenizer), staging, spec)
-        staging.chmod(0o755)
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)

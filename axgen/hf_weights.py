@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 import shutil
 import struct
-import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 
+from axgen.files import staging_dir
 from axgen.interop import CheckpointError, check_replaceable, hf_layout, hf_names, hf_to_params, host_jax
 from axgen.spec import Model
 
@@ -134,8 +134,7 @@ def convert_hf(spec: Model, hf_dir: Path, out: Path, overwrite: bool = False) ->
     checkpoint = HFCheckpoint(hf_dir)
     check_names(checkpoint, spec, str(hf_dir))
     params = hf_to_params(checkpoint, spec, dtype=None)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    staging = staging_dir(out)
     try:
         with ocp.Checkpointer(_uncopied_uncompressed(ocp)) as checkpointer:
             checkpointer.save(staging / "params", args=ocp.args.PyTreeSave(params))

@@ -14,12 +14,14 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from axgen import files, loader
 from axgen.cli import main
+from axgen.data import write_dataset
 from axgen.files import TEMP_MARK, OutputError, write_atomically
 from axgen.spec import ACTIVATIONS, QUANTIZE_DTYPES, REMAT_POLICIES, features
 
@@ -99,6 +101,19 @@ def test_only_temporaries_of_writers_that_no_longer_run_are_removed(tmp_path):
         path.write_text("x")
     write_atomically(tmp_path / "b.py", "y")
     assert sorted(tmp_path.iterdir()) == sorted([running, *not_ours, tmp_path / "b.py"])
+
+
+def test_a_dataset_write_removes_the_staging_folder_of_a_killed_one(tmp_path):
+    """`axgen data`, `convert-hf` and `export-hf` stage a folder as `write_atomically` stages a file."""
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    stale = tmp_path / f".data{TEMP_MARK}{int(dead.stdout)}-0123abcd"
+    (stale / "train").mkdir(parents=True)
+    (stale / "train" / "shard.bin").write_bytes(b"half a shard")
+
+    write_dataset(tmp_path / "data", [np.arange(1, 50)] * 4, vocab_size=64, bos_id=None, eos_id=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data"]
 
 
 class HalfThenFails:

@@ -158,4 +158,5 @@ def test_a_bad_flag_exits_2_with_one_line(program, flag, value, message, capsys)
     with pytest.raises(SystemExit) as exit_info:
         program.parse_args(["--data", "d", "--run-dir", "r", flag, value])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.splitlines()[-1].endswith(message)
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.endswith(message)

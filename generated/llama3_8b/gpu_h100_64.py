@@ -1027,8 +1027,15 @@ def restore_params(path, mesh):
         raise SystemExit(f"error: {path} does not hold {CONFIG['model']}'s params: {first_line}")
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse whose errors are one line, exit 2; the usage is for --help."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineErrors(description=__doc__.splitlines()[0])
     parser.add_argument("--data", required=True, help="dataset directory written by `axgen data`")
     parser.add_argument(
         "--run-dir", required=True, help="checkpoints (the newest is resumed), metrics.jsonl, TensorBoard"
