@@ -1499,7 +1499,7 @@ def main(argv=None):
         )
         progress = Progress(log, start, args.steps, args.batch * CONFIG["seq_len"])
         guard = NonFiniteGuard(args.max_bad_steps)
-        steps = range(start, args.steps)
+        steps, stopping = range(start, args.steps), False
         for step, local_batch in zip(steps, prefetched(train_data.local_batch, steps)):
             state, metrics = step_fn(
                 state, *(jax.make_array_from_process_local_data(sharding, x) for x in local_batch)
@@ -1519,7 +1519,11 @@ def main(argv=None):
         if manager.latest_step() != int(state["step"]):
             save_checkpoint(manager, state, force=True)
         manager.wait_until_finished()
-        stopped = f"stopped by {stop.received} at step {int(state['step'])}; " if stop.received else ""
+        stopped = (
+            f"stopped by {stop.received or 'a signal to another process'} at step {done}; "
+            if stopping
+            else ""
+        )
         print(f"{stopped}checkpoint: step {manager.latest_step()} in {checkpoints}", flush=True)
     return 0
 
