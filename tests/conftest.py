@@ -57,8 +57,18 @@ def program_args(data: Path, run_dir: Path, steps: int) -> list[str]:
 
 def run_python(*argv: str) -> str:
     """Runs `python *argv` from the project root; returns its stdout, failing the test on a non-zero exit."""
-    result = subprocess.run(
-        [sys.executable, *argv], capture_output=True, text=True, timeout=600, cwd=ROOT, env=PROGRAM_ENV
-    )
+    result = python_result(*argv)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
+
+
+def python_result(*argv: str) -> subprocess.CompletedProcess:
+    """Runs `python *argv` from the project root, as a user would; returns its exit code and output."""
+    return subprocess.run(
+        [sys.executable, *map(str, argv)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env=PROGRAM_ENV,
+    )

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from tests.conftest import PROGRAM_ENV, ROOT, program_args, train
+from tests.conftest import PROGRAM_ENV, ROOT, program_args, python_result, train
 
 from bench.faults import DAMAGE, flip_a_bit, truncate
 
@@ -102,13 +102,7 @@ def test_a_damaged_checkpoint_is_named_set_aside_and_the_run_resumes_from_the_on
     shutil.copytree(source, run_dir)
     DAMAGE[damage](run_dir / "checkpoints" / "4")
 
-    result = subprocess.run(
-        [sys.executable, str(CPU_8), *program_args(corpus, run_dir, 6)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=PROGRAM_ENV,
-    )
+    result = python_result(str(CPU_8), *program_args(corpus, run_dir, 6))
     assert result.returncode == 0, result.stderr[-2000:]
     warning = f"warning: checkpoint step 4 in {run_dir / 'checkpoints'} is damaged: "
     assert warning in result.stderr and "Traceback" not in result.stderr, result.stderr[-2000:]
@@ -140,9 +134,7 @@ def test_kill_9_mid_save_resumes_from_the_last_complete_checkpoint_losing_nothin
     run.wait()
     assert checkpoints(tmp_path / "run") == [2], "killed while step 4 was being written"
 
-    result = subprocess.run(
-        [sys.executable, str(program), *args], capture_output=True, text=True, env=PROGRAM_ENV
-    )
+    result = python_result(program, *args)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "resumed from step 2" in result.stdout
     assert losses(tmp_path / "run") == up_to(reference, 6)
@@ -155,13 +147,7 @@ def test_when_no_checkpoint_verifies_the_run_stops_and_keeps_them(two_checkpoint
     flip_a_bit(run_dir / "checkpoints" / "4")
     truncate(run_dir / "checkpoints" / "2")
 
-    result = subprocess.run(
-        [sys.executable, str(CPU_8), *program_args(corpus, run_dir, 6)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=PROGRAM_ENV,
-    )
+    result = python_result(str(CPU_8), *program_args(corpus, run_dir, 6))
     assert result.returncode == 1
     assert len(result.stderr.strip().splitlines()) == 3, result.stderr[-2000:]
     assert result.stderr.strip().splitlines()[-1] == (
@@ -176,13 +162,7 @@ def test_a_model_far_too_big_for_the_machine_is_refused_before_it_allocates(corp
     text = (ROOT / "specs/llama_tiny.py").read_text().replace("d_model=128", "d_model=65536")
     spec.write_text(text.replace("hidden_dim=384", "hidden_dim=131072"))
     assert axgen(["build", str(spec), "--target", "cpu-8", "--out", str(tmp_path / "huge_program.py")]) == 0
-    result = subprocess.run(
-        [sys.executable, str(tmp_path / "huge_program.py"), *program_args(corpus, tmp_path / "run", 2)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=PROGRAM_ENV,
-    )
+    result = python_result(str(tmp_path / "huge_program.py"), *program_args(corpus, tmp_path / "run", 2))
     assert result.returncode == 1, result.stderr[-2000:]
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith("error: a training step of llama-tiny at --batch 16 needs "), line

@@ -4,12 +4,10 @@ results."""
 import fcntl
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import numpy as np
-from tests.conftest import PROGRAM_ENV, ROOT, program_args, train, train_log
+from tests.conftest import ROOT, program_args, python_result, train, train_log
 
 from axgen.cli import main as axgen
 from axgen.interop import load_program
@@ -25,13 +23,7 @@ def checkpoints(run_dir) -> list[int]:
 
 def test_steps_at_or_below_the_resumed_step_are_refused(corpus, tmp_path):
     train(CPU_8, corpus, tmp_path, 3)
-    result = subprocess.run(
-        [sys.executable, str(CPU_8), *program_args(corpus, tmp_path, 3)],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=PROGRAM_ENV,
-    )
+    result = python_result(str(CPU_8), *program_args(corpus, tmp_path, 3))
     assert result.returncode == 2
     assert result.stderr.strip().endswith(
         f"error: --steps 3 is not beyond step 3, where {tmp_path / 'checkpoints'} resumes"
@@ -97,12 +89,7 @@ def test_a_second_run_on_the_same_directory_is_refused_naming_the_first(corpus, 
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         held.write(f"pid {os.getpid()} on this test")
         held.flush()
-        result = subprocess.run(
-            [sys.executable, str(CPU_8), *program_args(corpus, tmp_path, 2)],
-            capture_output=True,
-            text=True,
-            env=PROGRAM_ENV,
-        )
+        result = python_result(str(CPU_8), *program_args(corpus, tmp_path, 2))
     assert result.returncode == 1
     assert (
         result.stderr.strip()
