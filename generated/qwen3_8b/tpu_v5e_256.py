@@ -1197,7 +1197,11 @@ def open_data(args):
 def main(argv=None):
     began = time.perf_counter()
     args = parse_args(argv)
-    train_data, eval_data, eval_batches = open_data(args)
+    try:
+        train_data, eval_data, eval_batches = open_data(args)
+    except SystemExit as refused:  # a dataset refused before jax starts is bad input, as a bad flag is
+        print(refused.code, file=sys.stderr)
+        return 2
     configure_runtime(args)
     check_device_count()
     CONFIG["global_batch"] = args.batch
