@@ -9,6 +9,7 @@ the platform, the flags and the number of fake devices are fixed once jax starts
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import os
@@ -29,8 +30,10 @@ from axgen.spec import display_path
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception): .*)$", re.MULTILINE)
 _COLLECTIVE = re.compile(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
-# Kernels the compiler did not write itself: Pallas (tpu_custom_call), cuDNN and cuBLAS.
-_CUSTOM_CALL = re.compile(r'custom_call_target="(tpu_custom_call|__cudnn[^"]*|__cublas[^"]*)"')
+# Kernels the compiler did not write itself: Pallas (tpu_custom_call, mosaic_gpu), cuDNN and cuBLAS.
+_CUSTOM_CALL = re.compile(
+    r'custom_call_target="(tpu_custom_call|mosaic_gpu[^"]*|__cudnn[^"]*|__cublas[^"]*)"'
+)
 
 
 class AotError(RuntimeError):
@@ -162,7 +165,7 @@ def _compile_here(program_path: str, spec_path: str, target: str) -> Report:
     tokens = jax.ShapeDtypeStruct(
         (batch, seq_len + 1), jnp.int32, sharding=program.batch_sharding(mesh, batch)
     )
-    with jax.set_mesh(mesh):
+    with jax.set_mesh(mesh), _sm_count_of(plan):
         began = time.perf_counter()
         try:
             compiled = step.lower(state, tokens, tokens).compile()
@@ -232,6 +235,26 @@ def _devices(plan: Plan) -> tuple[list, str]:
             f"{plan.target} needs {plan.num_devices} fake CPU devices; jax started with {len(devices)}"
         )
     return devices[: plan.num_devices], f"{count} emulated by {plan.num_devices} fake CPU devices"
+
+
+@contextlib.contextmanager
+def _sm_count_of(plan: Plan):
+    """jax's transposed grouped matmul kernel asks the first device for its SM count (`core_count`); on the CPU host
+    that compiles for an H100, that device is a CPU one without it, so the chip's published count answers."""
+    import jax
+
+    from axgen.backends import gpu
+
+    if plan.platform != "cuda":
+        yield
+        return
+    devices = jax.devices
+    chip = type("CompiledForDevice", (), {"core_count": gpu.H100_SXM["core_count"], "platform": "gpu"})
+    jax.devices = lambda *backend: [chip(), *devices(*backend)[1:]]
+    try:
+        yield
+    finally:
+        jax.devices = devices
 
 
 def _xla_flops(compiled) -> float | None:

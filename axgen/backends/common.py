@@ -55,6 +55,15 @@ class Chip:
 
 
 @dataclass(frozen=True)
+class GroupedMatmul:
+    """A chip's kernel for the MoE experts' grouped matmuls, and its tiles for expert widths (embed, mlp per
+    device), or the reason it cannot run them."""
+
+    kernel: str
+    tiles: Callable[[int, int], dict[str, int] | str]
+
+
+@dataclass(frozen=True)
 class Family:
     """A backend's targets: a name pattern whose first group is the device count (per slice, where a second group
     counts slices), chip facts, mesh rules, and the defaults a rule may override."""
@@ -74,6 +83,7 @@ class Family:
     quantize_dtype: str = "int8"  # what `quantize(dtype=None)` becomes
     # Devices per slice -> the topology `axgen aot` compiles for without the chips; None: fake CPU devices.
     topology: Callable[[int], str] | None = None
+    grouped_matmul: GroupedMatmul | None = None  # None: MoE experts use XLA's ragged_dot
 
     def parse(self, target: str) -> tuple[int, int] | None:
         """(devices per slice, slices) of a target this family owns, else None."""
@@ -107,6 +117,7 @@ class Plan:
     topology: str | None  # for ahead-of-time compilation; None: fake CPU devices with this mesh
     remat: Remat | None  # the rule's or the backend's default, for blocks whose spec names no policy
     quantize_dtype: str  # what a quantized dot whose spec names no dtype becomes
+    grouped_matmul: GroupedMatmul | None
     logical_axis_rules: tuple[tuple[str, tuple[str, ...]], ...] = LOGICAL_AXIS_RULES
 
     @property
@@ -164,6 +175,7 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
         topology=family.topology(per_slice) if family.topology else None,
         remat=rule.remat or family.remat,
         quantize_dtype=rule.quantize_dtype or family.quantize_dtype,
+        grouped_matmul=family.grouped_matmul,
     )
     _check_attention(plan, family, spec)
     _check_capabilities(plan, spec)

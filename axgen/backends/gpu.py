@@ -2,7 +2,7 @@
 
 import math
 
-from axgen.backends.common import GIB, Chip, Family
+from axgen.backends.common import GIB, Chip, Family, GroupedMatmul
 from axgen.spec import MeshRule, Remat
 
 GPUS_PER_HOST = 8
@@ -41,6 +41,36 @@ def target_config() -> str:
         f"dnn_version_info {{\n  major: {major}\n  minor: {minor}\n  patch: {patch}\n}}\n"
         f'device_description_str: "NVIDIA H100 80GB HBM3"\n'
     )
+
+
+# Tiles of jax's Mosaic GPU grouped matmul (`ragged_dot_mgpu`, and `transposed_ragged_dot_mgpu` for the weight
+# gradient), tried in order: block_m, block_n, block_k, max_concurrent_steps. The first is the fastest of jax's own
+# sweep on one H100 for Mixtral's [16384, 4096] x [8, 4096, 14336] (393-606 TFLOP/s, against ragged_dot's ~100);
+# the second, untuned, takes experts whose widths are multiples of 64 only. `bench/h100.py --tiles` sweeps them.
+GROUPED_MATMUL_TILES = ((128, 128, 64, 4), (64, 64, 64, 4))
+# Output columns each SM walks before the next row of blocks (grid_block_n), widest first: 4 measured best.
+GRID_BLOCK_N = (4, 2, 1)
+
+
+def grouped_matmul_tiles(embed: int, hidden: int) -> dict[str, int] | str:
+    """The kernel's tiles for experts of one device that map `embed` -> `hidden` -> `embed`, else why it cannot run.
+
+    Every product of the expert MLP and of its gradient splits both widths into blocks: each is a row block
+    (block_m) of the weight gradient, a contraction step (block_k) of one product and an output block of another
+    (block_n x grid_block_n)."""
+    for block_m, block_n, block_k, steps in GROUPED_MATMUL_TILES:
+        if any(width % math.lcm(block_m, block_n, block_k) for width in (embed, hidden)):
+            continue
+        grid_block_n = next(n for n in GRID_BLOCK_N if embed % (n * block_n) == hidden % (n * block_n) == 0)
+        return {
+            "block_m": block_m,
+            "block_n": block_n,
+            "block_k": block_k,
+            "max_concurrent_steps": steps,
+            "grid_block_n": grid_block_n,
+        }
+    smallest = min(math.lcm(*tiles[:3]) for tiles in GROUPED_MATMUL_TILES)
+    return f"embed={embed} and mlp={hidden} per device are not both multiples of {smallest}"
 
 
 def topology(gpus: int) -> str:
@@ -88,4 +118,5 @@ FAMILY = Family(
     # Hopper's fp8 tensor cores run at twice the bf16 rate, and fp8 keeps more range than int8 for activations.
     quantize_dtype="fp8",
     topology=topology,
+    grouped_matmul=GroupedMatmul("mosaic_gpu", grouped_matmul_tiles),
 )

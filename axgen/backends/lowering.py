@@ -7,6 +7,7 @@ rewrites nodes, regions or the graph's own attrs through the Graph API.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 from axgen.backends.common import DOCUMENT_MASKS, KERNEL_OPTIONS, Plan
@@ -51,6 +52,27 @@ def dot_kind(g: Graph, plan: Plan) -> None:
     for node in g.nodes():
         if getattr(node.attrs, "quantize", None) == "target":
             g.update(node, quantize=plan.quantize_dtype)
+
+
+def grouped_matmul(g: Graph, plan: Plan) -> None:
+    """How each dropless MoE multiplies its experts' groups of rows: the chip's kernel, with tiles for the widths
+    one device holds, else XLA's ragged_dot (with the reason, where the chip has a kernel that cannot run them).
+    """
+    if plan.grouped_matmul is None:
+        return
+    rules, mesh = dict(plan.logical_axis_rules), dict(plan.mesh)
+    for node in g.nodes(op="moe"):
+        if node.attrs.capacity_factor:
+            continue
+        w_up = node.params["w_up"].type
+        mlp_shards = math.prod(mesh[a] for a in rules["mlp"] if a not in rules["expert"])
+        tiles = plan.grouped_matmul.tiles(w_up.size("embed"), w_up.size("mlp") // mlp_shards)
+        if isinstance(tiles, str):
+            g.update(
+                node, grouped_matmul="ragged_dot", grouped_matmul_why=f"{plan.grouped_matmul.kernel}: {tiles}"
+            )
+        else:
+            g.update(node, grouped_matmul=plan.grouped_matmul.kernel, tiles=tuple(tiles.items()))
 
 
 def remat(g: Graph, plan: Plan) -> None:
@@ -109,6 +131,7 @@ STEPS: tuple[Callable[[Graph, Plan], None], ...] = (
     shard,
     attention_kernel,
     dot_kind,
+    grouped_matmul,
     remat,
     scan_grouping,
     aux_losses,

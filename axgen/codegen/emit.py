@@ -94,6 +94,7 @@ def _context(env, graph, plan, spec, passes, spec_path, output_name) -> dict:
         "logical_axis_rules": list(graph.attrs["logical_axis_rules"].items()),
         "uses_checkpoint_name": any(getattr(n.attrs, "checkpoint_name", None) for n in nodes),
         "uses_functools": bool(remat or quantized),
+        "uses_mosaic_gpu": any(n.attrs.grouped_matmul == "mosaic_gpu" for n in graph.nodes(op="moe")),
         "uses_splash": any(n.attrs.kernel == "splash" for n in graph.nodes(op="attention")),
     }
 
@@ -110,6 +111,8 @@ def _lowering_text(graph: Graph, plan: Plan) -> str:
         f"attention {kernel}" + (f" (blocks of {block})" if block else "")
         for kernel, block in sorted(kernels, key=str)
     ]
+    matmuls = {n.attrs.grouped_matmul for n in graph.nodes(op="moe") if not n.attrs.capacity_factor}
+    chosen += [f"experts by {m}" for m in sorted(matmuls) if m != "ragged_dot"]
     dots = sorted({n.attrs.quantize for n in graph.nodes() if getattr(n.attrs, "quantize", None)})
     chosen += [f"{'/'.join(dots)} dots"] if dots else []
     return " · ".join(chosen) + f" ({plan.backend_file})"

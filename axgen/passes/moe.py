@@ -20,6 +20,11 @@ class MoEAttrs(Attrs):
     renormalize: bool = True  # whether the top-k routing weights are rescaled to sum to 1
     aux: tuple[str, ...] = ()  # auxiliary outputs: losses, and metrics such as the dropped fraction
     aux_weights: tuple[tuple[str, float], ...] = ()  # loss name -> its weight in the training loss
+    # Set by the target's lowering: the grouped matmul kernel of the dropless path and its tiles, or why the
+    # chip's kernel was passed over for XLA's ragged_dot.
+    grouped_matmul: str = "ragged_dot"
+    tiles: tuple[tuple[str, int], ...] = ()
+    grouped_matmul_why: str | None = None
 
 
 def _moe(ins, attrs, params):

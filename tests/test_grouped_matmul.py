@@ -1,0 +1,144 @@
+"""The MoE experts' grouped matmul per target: H100 programs multiply by jax's Mosaic GPU kernels (a custom_vjp whose
+backward runs the transposed kernel for the weights' gradient), with tiles the backend chose for the experts'
+widths; other chips, and widths the kernel cannot tile, keep XLA's ragged_dot, and the emitted code says why.
+
+The kernels run here under Pallas's GPU interpreter on CPU, and must give ragged_dot's values and gradients.
+"""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src import config as jax_config
+from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+
+from axgen.backends import gpu
+from axgen.build import build, lowered
+from axgen.interop import load_program
+from axgen.loader import load_spec
+from axgen.spec import MeshRule
+from tests.conftest import ROOT
+
+MIXTRAL, QWEN_MOE = ROOT / "specs/mixtral_8x7b.py", ROOT / "specs/qwen2_moe_a2_7b.py"
+PROGRAM = ROOT / "generated/features_tiny/gpu_h100_8.py"  # embed 128 -> mlp 384 experts, gated shared expert
+
+
+def test_tiles_are_the_measured_ones_where_the_widths_take_them_and_smaller_ones_elsewhere():
+    assert gpu.grouped_matmul_tiles(4096, 14336) == {
+        "block_m": 128,
+        "block_n": 128,
+        "block_k": 64,
+        "max_concurrent_steps": 4,
+        "grid_block_n": 4,
+    }
+    assert gpu.grouped_matmul_tiles(2048, 1408)["grid_block_n"] == 1  # 1408 = 11 x 128
+    assert gpu.grouped_matmul_tiles(192, 320)["block_m"] == 64
+    assert (
+        gpu.grouped_matmul_tiles(128, 200) == "embed=128 and mlp=200 per device are not both multiples of 64"
+    )
+
+
+def test_h100_programs_use_the_kernel_and_other_targets_ragged_dot():
+    mixtral = build(MIXTRAL, "gpu-h100-64").source
+    assert "experts by mosaic_gpu" in mixtral.splitlines()[4]
+    assert (
+        "from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu" in mixtral
+    )
+    assert "hidden = expert_mlp(rows, gate, grouped_matmul(rows, w_up, group_sizes))" in mixtral
+    for target in ("cpu-8", "tpu-v5p-256"):
+        source = build(MIXTRAL, target).source
+        assert "grouped_matmul" not in source and "ragged_dot_mgpu" not in source
+        assert "jax.lax.ragged_dot(rows, w_up, group_sizes)" in source
+
+
+def test_experts_the_kernel_cannot_tile_keep_ragged_dot_and_the_program_says_why(tmp_path):
+    spec = tmp_path / "odd_experts.py"
+    spec.write_text(
+        "from axgen.specs.moe_tiny import spec as moe_tiny\n"
+        "from axgen.spec import MLP\n"
+        "spec = moe_tiny.replace(name='odd-experts', targets=['gpu-h100-8'],\n"
+        "    decoder=moe_tiny.decoder.replace(mlp=MLP(hidden_dim=200, activation='swiglu')))\n"
+    )
+    source = build(spec, "gpu-h100-8").source
+    assert (
+        "    # XLA's ragged_dot: mosaic_gpu: embed=128 and mlp=200 per device are not both multiples of 64.\n"
+        in source
+    )
+    assert "ragged_dot_mgpu" not in source and "experts by" not in source
+
+
+def test_tiles_are_chosen_for_the_widths_one_device_holds():
+    rule = MeshRule("gpu-h100-8", {"model": 8}, why="experts' hidden units split eight ways")
+    graph, _, _ = lowered(load_spec(MIXTRAL).replace(mesh_rules=[rule]), "gpu-h100-8")
+    (experts,) = graph.nodes(op="moe")
+    # 14336 / 8 = 1792 = 14 x 128 wide: a multiple of 2 x 128 columns, not of 4 x 128.
+    assert dict(experts.attrs.tiles)["grid_block_n"] == 2
+
+
+@pytest.fixture
+def kernels_interpreted(monkeypatch):
+    """Pallas's GPU interpreter for every Mosaic GPU kernel; the transposed kernel asks the first device for its
+    SM count, which a CPU device does not have."""
+    devices = jax.devices()
+    monkeypatch.setattr(jax, "devices", lambda *args: [types.SimpleNamespace(core_count=132)] + devices[1:])
+    jax_config.pallas_tpu_interpret_mode_context_manager.set_global(InterpretGPUParams())
+    yield
+    jax_config.pallas_tpu_interpret_mode_context_manager.set_global(None)
+
+
+@pytest.fixture(scope="module")
+def program():
+    return load_program(PROGRAM)
+
+
+def _grads(program, impl, f, *args):
+    program.GROUPED_MATMUL_IMPL = impl
+    value, grads = jax.value_and_grad(f, argnums=tuple(range(len(args) - 1)))(*args)
+    program.GROUPED_MATMUL_IMPL = "mosaic_gpu"
+    return jax.tree.map(lambda x: np.asarray(x, np.float32), (value, grads))
+
+
+def _assert_close(kernel, xla):
+    # bf16 inputs and outputs: the kernel accumulates in f32 and rounds once, XLA on CPU may round differently.
+    for a, b in zip(jax.tree.leaves(kernel), jax.tree.leaves(xla)):
+        np.testing.assert_allclose(a, b, atol=2**-7 * max(np.abs(b).max(), 1e-6))
+
+
+def test_kernel_and_its_gradients_equal_ragged_dot_with_empty_groups_and_rows_after_the_last(
+    program, kernels_interpreted
+):
+    keys = jax.random.split(jax.random.key(0), 3)
+    rows = jax.random.normal(keys[0], (200, 128), jnp.bfloat16)
+    weights = jax.random.normal(keys[1], (4, 128, 384), jnp.bfloat16) / 8
+    cotangent = jax.random.normal(keys[2], (200, 384), jnp.float32)
+    group_sizes = jnp.array([70, 0, 81, 20], jnp.int32)  # 171 rows in groups: the last 29 are in none
+
+    def loss(rows, weights, group_sizes):
+        out = program.grouped_matmul(rows, weights, group_sizes).astype(jnp.float32)
+        assert out.shape == (200, 384)
+        return jnp.sum(out * cotangent)
+
+    kernel = _grads(program, "mosaic_gpu", loss, rows, weights, group_sizes)
+    xla = _grads(program, "xla", loss, rows, weights, group_sizes)
+    _assert_close(kernel, xla)
+    assert np.abs(kernel[1][0][171:]).max() == 0 and np.abs(kernel[1][1][1]).max() == 0
+
+
+def test_the_programs_experts_give_ragged_dots_loss_and_gradients_through_the_kernel(
+    program, kernels_interpreted
+):
+    params = jax.tree.map(
+        lambda w: w.astype(jnp.bfloat16), program.init_params(jax.random.key(0))["moe_layers"]
+    )
+    layer = jax.tree.map(lambda w: w[0], params)
+    x = jax.random.normal(jax.random.key(1), (2, 16, 128), jnp.bfloat16)
+    logits = jax.random.normal(jax.random.key(2), (2, 16, 4), jnp.float32)
+
+    def loss(x, w_gate, w_up, w_down, logits):
+        out, aux = program.moe_dropless_on_device(x, logits, w_gate, w_up, w_down, top_k=2)
+        return jnp.sum(out.astype(jnp.float32) ** 2) + aux["load_balance_loss"]
+
+    args = (x, layer["w_gate"], layer["w_up"], layer["w_down"], logits)
+    _assert_close(_grads(program, "mosaic_gpu", loss, *args), _grads(program, "xla", loss, *args))
