@@ -639,7 +639,8 @@ class MeshRule(SpecNode):
 
     `microbatch` is the sequences each device runs per forward and backward pass: a step whose per-device batch
     is larger accumulates gradients over `per-device batch / microbatch` passes. `attention_block` is the query
-    and key/value block length of the splash attention kernel."""
+    and key/value block length of the splash attention kernel. `memory_fraction` is the share of each device's
+    memory the program's allocator takes (GPU), and what `axgen aot` checks the peak against."""
 
     pattern: str
     mesh: dict[str, int]
@@ -651,6 +652,7 @@ class MeshRule(SpecNode):
     microbatch: int | None = None
     remat: Remat | None = None
     quantize_dtype: str | None = None
+    memory_fraction: float | None = None
     xla_flags: tuple[str, ...] = ()
 
     def validate(self) -> None:
@@ -678,6 +680,8 @@ class MeshRule(SpecNode):
         for name in ("attention_block", "microbatch"):
             if getattr(self, name) is not None:
                 self.require_positive(name)
+        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
+            self.fail("memory_fraction", "is not in (0, 1]")
         if self.attention_block is not None and self.attention_block % 128:
             self.fail("attention_block", "must be a multiple of 128 (the TPU lane width)")
 

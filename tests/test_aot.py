@@ -8,7 +8,9 @@ import pytest
 
 from axgen.aot import Report, markdown
 from axgen.cli import main as axgen
-from tests.conftest import ROOT
+from tests.conftest import PROGRAM_ENV, ROOT
+
+PROGRAM_ENV_WITHOUT_FRACTION = {k: v for k, v in PROGRAM_ENV.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}
 
 TINY = str(ROOT / "specs/llama_tiny.py")
 
@@ -37,6 +39,29 @@ def test_h100_program_compiles_through_the_cuda_plugin_with_cudnn_attention(caps
     # The document mask reaches cuDNN's fused attention as a bias.
     assert {"__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"} <= set(report["kernels"])
     assert report["xla_flops_per_device"] is None, "XLA counts no FLOPs on GPU; the analytic figure stands"
+    # The fit is judged against what the program's allocator takes: 95% of the 79.1 GiB CUDA reports.
+    assert report["usable_bytes"] == int(0.95 * 84_942_979_072) < report["hbm_bytes"]
+
+
+GPU_PROGRAM = ROOT / "generated/llama_tiny/gpu_h100_8.py"
+RUNTIME = (
+    "import os, sys; sys.path.insert(0, sys.argv[1]); import gpu_h100_8 as program; "
+    "program.configure_runtime(program.parse_args(['--data', '.', '--run-dir', '.'])); "
+    "print(program.MEMORY_FRACTION, os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'])"
+)
+
+
+@pytest.mark.parametrize(("users", "allocator"), [(None, "0.95"), ("0.5", "0.5")])
+def test_gpu_program_gives_its_allocator_the_share_aot_checks_unless_the_user_says(
+    users, allocator, monkeypatch
+):
+    from tests.conftest import python_result
+
+    env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": users} if users else {}
+    monkeypatch.setattr("tests.conftest.PROGRAM_ENV", {**PROGRAM_ENV_WITHOUT_FRACTION, **env})
+    result = python_result("-c", RUNTIME, str(GPU_PROGRAM.parent))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.split() == ["0.95", allocator]
 
 
 def test_h100_moe_program_compiles_with_the_mosaic_gpu_grouped_matmul_forward_and_backward(capsys):
@@ -94,6 +119,7 @@ def test_report_table_says_what_fits():
         microbatch=1,
         compile_seconds=3.0,
         hbm_bytes=16 * 1024**3,
+        usable_bytes=16 * 1024**3,
     )
     fits = Report(
         **common, target="tpu-v5e-8", mesh={"data": 1, "fsdp": 8}, fits=True, peak_bytes=9 * 1024**3
@@ -107,12 +133,35 @@ def test_report_table_says_what_fits():
         out_of_memory="RESOURCE_EXHAUSTED: ... (41.98G) exceeds available HBM (15.75G)",
     )
     table = markdown([fits, refused], ["specs/x.py on cpu-8: the compile failed: ValueError: boom"], "cmd")
-    assert "| m | tpu-v5e-8 | 8 x TPU v5e | fsdp=8 | 4 x 1 | 9.00 GiB / 16 GiB | yes | 3s |" in table
+    assert "| m | tpu-v5e-8 | 8 x TPU v5e | fsdp=8 | 4 x 1 | 9.00 GiB / 16.0 GiB | yes | 3s |" in table
     assert (
-        "| m | tpu-v5e-1 | 8 x TPU v5e | 1 device | 4 x 1 | over (compiler refused) / 16 GiB | **no** | 3s |"
+        "| m | tpu-v5e-1 | 8 x TPU v5e | 1 device | 4 x 1 | over (compiler refused) / 16.0 GiB | **no** | 3s |"
         in table
     )
     assert "- specs/x.py on cpu-8: the compile failed: ValueError: boom" in table
+
+
+def test_a_peak_over_the_usable_share_does_not_fit_though_under_the_hbm():
+    hbm = 84_942_979_072
+    report = Report(
+        spec="m",
+        target="gpu-h100-1",
+        compiled_for="1 x NVIDIA H100 SXM",
+        mesh={"fsdp": 1},
+        grad_accum_steps=1,
+        microbatch=1,
+        compile_seconds=1.0,
+        hbm_bytes=hbm,
+        usable_bytes=int(0.95 * hbm),
+        fits=False,
+        peak_bytes=int(0.97 * hbm),
+        argument_bytes=0,
+        output_bytes=0,
+        alias_bytes=0,
+        temp_bytes=int(0.97 * hbm),
+        flops_per_device=1.0,
+    )
+    assert "peak 76.74 GiB of 75.2 GiB usable (95% of 79.1 GiB HBM): DOES NOT FIT" in report.text()
 
 
 @pytest.mark.parametrize("args", [["--target", "gpu-a100-8"], []])

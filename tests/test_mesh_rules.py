@@ -133,7 +133,16 @@ def test_rule_fields_are_checked_where_the_rule_is_written():
         MeshRule(r"cpu-8", {"fsdb": 2}, why="typo")
     with pytest.raises(Exception, match=r"MeshRule.attention='flash' is not one of xla, splash, cudnn"):
         MeshRule(r"cpu-8", {}, why="x", attention="flash")
+    with pytest.raises(Exception, match=r"MeshRule.memory_fraction=1.5 is not in \(0, 1\]"):
+        MeshRule(r"gpu-.*", {}, why="x", memory_fraction=1.5)
     assert MeshRule(r"cpu-8", {}, why="x", remat=Remat(policy="full")).matches("cpu-8")
+
+
+def test_a_rule_may_give_the_allocator_another_share_and_the_fit_check_follows(tmp_path):
+    rule = 'MeshRule(r"gpu-h100-8", {"fsdp": -1}, why="leave room for another process", memory_fraction=0.5)'
+    plan = plan_for(load_spec(tiny_with(tmp_path, "half", rule)), "gpu-h100-8")
+    assert plan.memory_fraction == 0.5 and plan.usable_bytes == plan.chip.hbm_bytes // 2
+    assert plan_for(load_spec(tiny_with(tmp_path, "tpu", rule)), "tpu-v5e-8").usable_bytes == 16 * 1024**3
 
 
 def one_step(program, tokens):

@@ -84,6 +84,9 @@ class Family:
     # Devices per slice -> the topology `axgen aot` compiles for without the chips; None: fake CPU devices.
     topology: Callable[[int], str] | None = None
     grouped_matmul: GroupedMatmul | None = None  # None: MoE experts use XLA's ragged_dot
+    # The share of each device's memory the emitted program's allocator takes; None: the runtime's own (TPU and
+    # CPU programs, whose compiler or host decides).
+    memory_fraction: float | None = None
 
     def parse(self, target: str) -> tuple[int, int] | None:
         """(devices per slice, slices) of a target this family owns, else None."""
@@ -118,11 +121,17 @@ class Plan:
     remat: Remat | None  # the rule's or the backend's default, for blocks whose spec names no policy
     quantize_dtype: str  # what a quantized dot whose spec names no dtype becomes
     grouped_matmul: GroupedMatmul | None
+    memory_fraction: float | None
     logical_axis_rules: tuple[tuple[str, tuple[str, ...]], ...] = LOGICAL_AXIS_RULES
 
     @property
     def num_hosts(self) -> int:
         return self.num_slices * math.ceil(self.num_devices // self.num_slices / self.chip.devices_per_host)
+
+    @property
+    def usable_bytes(self) -> int:
+        """Per device: what the program's allocator may take, which is what a compiled step must fit in."""
+        return int(self.chip.hbm_bytes * (self.memory_fraction or 1))
 
     @property
     def dcn_mesh(self) -> tuple[tuple[str, int], ...]:
@@ -176,6 +185,7 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
         remat=rule.remat or family.remat,
         quantize_dtype=rule.quantize_dtype or family.quantize_dtype,
         grouped_matmul=family.grouped_matmul,
+        memory_fraction=rule.memory_fraction or family.memory_fraction,
     )
     _check_attention(plan, family, spec)
     _check_capabilities(plan, spec)

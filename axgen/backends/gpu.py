@@ -2,7 +2,7 @@
 
 import math
 
-from axgen.backends.common import GIB, Chip, Family, GroupedMatmul
+from axgen.backends.common import Chip, Family, GroupedMatmul
 from axgen.spec import MeshRule, Remat
 
 GPUS_PER_HOST = 8
@@ -82,11 +82,11 @@ FAMILY = Family(
     name="gpu",
     pattern=r"gpu-h100-(\d+)",
     display="gpu-h100-N",
-    # H100 SXM: 989 TFLOP/s dense bf16, 80 GiB HBM3, 8 GPUs per HGX host.
+    # H100 SXM: 989 TFLOP/s dense bf16, 80 GB HBM3 (79.1 GiB as CUDA counts it), 8 GPUs per HGX host.
     chip=Chip(
         "NVIDIA H100 SXM",
         peak_bf16_flops=989e12,
-        hbm_bytes=80 * GIB,
+        hbm_bytes=H100_SXM["device_memory_size"],
         devices_per_host=GPUS_PER_HOST,
         capabilities=frozenset({"host_offload", "int8", "fp8"}),
     ),
@@ -119,4 +119,7 @@ FAMILY = Family(
     quantize_dtype="fp8",
     topology=topology,
     grouped_matmul=GroupedMatmul("mosaic_gpu", grouped_matmul_tiles),
+    # jax's allocator takes 75% of a GPU unless told otherwise: a Mixtral-width program that fit 74 GiB ran out of
+    # memory at 60 (PLATFORM.md). 95% leaves 4 GiB to the CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers.
+    memory_fraction=0.95,
 )

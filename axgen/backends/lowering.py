@@ -21,7 +21,8 @@ CONSTRAINED_OPS = ("embed", "add", "lm_head")
 
 
 def mesh(g: Graph, plan: Plan) -> None:
-    """The mesh, its batch split into microbatches, and the logical-axis rules for the axes this program uses."""
+    """The mesh, its batch split into microbatches, the logical-axis rules for the axes this program uses, and the
+    share of each device's memory its allocator takes."""
     types = [n.type for n in g.nodes()] + [p.type for n in g.nodes() for p in n.params.values()]
     used = {axis for t in types for axis in t.axes} | {"layers"}  # stacked block params add `layers`
     g.attrs["mesh"] = dict(plan.mesh)
@@ -29,6 +30,8 @@ def mesh(g: Graph, plan: Plan) -> None:
     g.attrs["logical_axis_rules"] = {
         axis: mesh_axes for axis, mesh_axes in plan.logical_axis_rules if axis in used
     }
+    if plan.memory_fraction:
+        g.attrs["memory_fraction"] = plan.memory_fraction
 
 
 def shard(g: Graph, plan: Plan) -> None:

@@ -92,6 +92,7 @@ def _context(env, graph, plan, spec, passes, spec_path, output_name) -> dict:
         ),
         "remat": remat,
         "logical_axis_rules": list(graph.attrs["logical_axis_rules"].items()),
+        "memory_fraction": graph.attrs.get("memory_fraction"),
         "uses_checkpoint_name": any(getattr(n.attrs, "checkpoint_name", None) for n in nodes),
         "uses_functools": bool(remat or quantized),
         "uses_mosaic_gpu": any(n.attrs.grouped_matmul == "mosaic_gpu" for n in graph.nodes(op="moe")),

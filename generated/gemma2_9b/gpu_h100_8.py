@@ -78,6 +78,7 @@ COMPUTE_DTYPE = jnp.bfloat16  # parameters stay float32; matmuls run in this dty
 PEAK_FLOPS_PER_DEVICE = 9.89e14  # NVIDIA H100 SXM, dense
 NUM_HOSTS = 1
 PLATFORM = "cuda"  # jax's platform, unless JAX_PLATFORMS says otherwise
+MEMORY_FRACTION = 0.95  # of each device's memory for jax's allocator, as `axgen aot` checks; $XLA_PYTHON_CLIENT_MEM_FRACTION wins
 XLA_FLAGS = [
     "--xla_gpu_enable_latency_hiding_scheduler=true"
 ]  # before jax starts; $XLA_FLAGS goes after them and wins
@@ -731,6 +732,7 @@ def configure_runtime(args):
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
     # The user's own flags come last, so they win over the target's.
     os.environ["XLA_FLAGS"] = " ".join([*XLA_FLAGS, os.environ.get("XLA_FLAGS", "")]).strip()
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(MEMORY_FRACTION))
     if NUM_HOSTS == 1 and (args.num_processes or 1) == 1:
         return
     if platform == "cpu":
