@@ -24,8 +24,9 @@ from pathlib import Path
 from axgen.backends import Plan, plan_for
 from axgen.backends.common import GIB
 from axgen.build import build, output_name
+from axgen.hlo_cost import hlo_cost
 from axgen.loader import load_spec
-from axgen.spec import display_path
+from axgen.spec import MeshRule, Remat, display_path
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception): .*)$", re.MULTILINE)
@@ -60,6 +61,11 @@ class Report:
     host_bytes: int | None = None  # offloaded to pinned host memory
     flops_per_device: float | None = None  # per step, analytic
     xla_flops_per_device: float | None = None  # as XLA reports them: each scan body counted once
+    # Per device per step from the optimized HLO, every loop body counted as often as it runs (hlo_cost.py).
+    dot_flops: float | None = None
+    memory_bytes: float | None = None
+    host_transfer_bytes: float | None = None
+    collective_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
     collectives: dict[str, int] = dataclasses.field(default_factory=dict)
     kernels: dict[str, int] = dataclasses.field(default_factory=dict)  # custom calls: Pallas, cuDNN, ...
     out_of_memory: str | None = None  # the compiler's own message when it refused
@@ -104,13 +110,16 @@ def _gib(n: int | None) -> str:
     return f"{n / GIB:.2f} GiB" if n >= GIB / 10 else f"{n / 1024**2:.1f} MiB"
 
 
-def compile_target(spec_path: str | Path, target: str, timeout: float | None = None) -> Report:
-    """Builds the program, then compiles its train_step in a fresh process set up for the target."""
-    built = build(spec_path, target)
+def compile_target(
+    spec_path: str | Path, target: str, timeout: float | None = None, rule: dict | None = None
+) -> Report:
+    """Builds the program, then compiles its train_step in a fresh process set up for the target. A `rule`
+    (`candidate_rule`'s fields) goes before the spec's own mesh rules."""
+    built = build(spec_path, target, candidate_rule(target, rule) if rule else None)
     with tempfile.TemporaryDirectory(prefix="axgen-aot-") as tmp:
         program = Path(tmp) / output_name(target)
         program.write_text(built.source)
-        command = [sys.executable, "-m", "axgen.aot", str(program), str(spec_path), target]
+        command = [sys.executable, "-m", "axgen.aot", str(program), str(spec_path), target, json.dumps(rule)]
         try:
             result = subprocess.run(
                 command, env=_environment(built.plan), capture_output=True, text=True, timeout=timeout
@@ -128,6 +137,15 @@ def compile_target(spec_path: str | Path, target: str, timeout: float | None = N
     return Report(**json.loads(result.stdout.splitlines()[-1]))
 
 
+def candidate_rule(target: str, fields: dict) -> MeshRule:
+    """A mesh rule for exactly `target` from plain fields: mesh, microbatch, remat (a policy name),
+    attention_block; what `axgen plan` tries, and writes into the spec."""
+    modifiers = {k: v for k, v in fields.items() if k not in ("mesh", "why")}
+    if modifiers.get("remat"):
+        modifiers["remat"] = Remat(policy=modifiers["remat"])
+    return MeshRule(target, fields["mesh"], why=fields.get("why", "a candidate of axgen plan"), **modifiers)
+
+
 def _environment(plan: Plan) -> dict[str, str]:
     """The compile process's environment: jax on CPU (the plugins then describe chips without probing for them,
     and compiles may share libtpu), the program's own flags, and as many fake CPU devices as the mesh needs where
@@ -143,14 +161,17 @@ def _environment(plan: Plan) -> dict[str, str]:
     return env
 
 
-def _compile_here(program_path: str, spec_path: str, target: str) -> Report:
+def _compile_here(program_path: str, spec_path: str, target: str, rule: str) -> Report:
     """Runs in the compile process: imports the program, builds its mesh on the stand-in devices, compiles."""
     import jax
     import jax.numpy as jnp
 
     from axgen.interop import load_program
 
-    plan = plan_for(load_spec(spec_path), target)
+    spec = load_spec(spec_path)
+    if json.loads(rule):
+        spec = spec.replace(mesh_rules=[candidate_rule(target, json.loads(rule)), *spec.mesh_rules])
+    plan = plan_for(spec, target)
     program = load_program(program_path)
     devices, compiled_for = _devices(plan)
     mesh = program.make_mesh(devices)
@@ -213,6 +234,7 @@ def _compile_here(program_path: str, spec_path: str, target: str) -> Report:
         host_bytes=host_bytes,
         flops_per_device=program.CONFIG["flops_per_token"] * batch * seq_len / plan.num_devices,
         xla_flops_per_device=_xla_flops(compiled),
+        **_hlo_cost_fields(hlo),
         collectives=_count(_COLLECTIVE, hlo),
         kernels=_count(_CUSTOM_CALL, hlo),
     )
@@ -271,6 +293,16 @@ def _xla_flops(compiled) -> float | None:
     return float(cost["flops"]) if cost and cost.get("flops") else None
 
 
+def _hlo_cost_fields(hlo: str) -> dict:
+    cost = hlo_cost(hlo)
+    return dict(
+        dot_flops=cost.dot_flops,
+        memory_bytes=cost.memory_bytes,
+        host_transfer_bytes=cost.host_bytes,
+        collective_bytes=cost.collective_bytes,
+    )
+
+
 def _count(pattern: re.Pattern, hlo: str) -> dict[str, int]:
     return dict(sorted(collections.Counter(pattern.findall(hlo)).items()))
 
@@ -304,4 +336,4 @@ def markdown(reports: list[Report], failures: list[str], command: str) -> str:
 
 
 if __name__ == "__main__":
-    print(json.dumps(dataclasses.asdict(_compile_here(*sys.argv[1:4]))))
+    print(json.dumps(dataclasses.asdict(_compile_here(*sys.argv[1:5]))))

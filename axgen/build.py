@@ -12,7 +12,7 @@ from axgen.ir import Graph, from_spec
 from axgen.loader import load_spec
 from axgen.passes import run_passes
 from axgen.passes.manager import AppliedPass
-from axgen.spec import Model, display_path
+from axgen.spec import MeshRule, Model, display_path
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,11 @@ def lowered(spec: Model, target: str, after: str = "lowering") -> tuple[Graph, P
     return graph, plan, passes
 
 
-def build(spec_path: str | Path, target: str) -> Built:
+def build(spec_path: str | Path, target: str, rule: MeshRule | None = None) -> Built:
+    """The program of the spec file for `target`; with a `rule`, as if the spec's mesh rules began with it."""
     spec = load_spec(spec_path)
+    if rule is not None:
+        spec = spec.replace(mesh_rules=[rule, *spec.mesh_rules])
     graph, plan, passes = lowered(spec, target)
     source = emit(graph, plan, spec, passes, display_path(str(spec_path)), output_name(target))
     return Built(spec, target, plan, graph, passes, source)

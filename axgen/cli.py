@@ -1,4 +1,4 @@
-"""`axgen build | graph | explain | aot | targets | corpus | data | tokenizer train | report | import-hf |
+"""`axgen build | graph | explain | aot | plan | targets | corpus | data | tokenizer train | report | import-hf |
 convert-hf | export-hf`: the command line.
 Errors are one line and exit 2."""
 
@@ -11,10 +11,11 @@ import math
 import sys
 import time
 import typing
+from datetime import date
 from pathlib import Path
 
 from axgen.aot import AotError, compile_target, markdown
-from axgen.backends import FAMILIES, family_for
+from axgen.backends import FAMILIES, family_for, plan_for
 from axgen.build import build, default_output, lowered
 from axgen.corpus import write_corpus
 from axgen.data import DataError, ReadOptions, build_dataset, summary
@@ -27,8 +28,9 @@ from axgen.interop import CheckpointError
 from axgen.ir import GraphError, cost, from_spec
 from axgen.loader import load_spec
 from axgen.passes import PassError, run_passes
+from axgen.plan import PlanError, search, table, write_rule
 from axgen.report import ReportError, write_report
-from axgen.spec import SpecError
+from axgen.spec import MESH_AXES, SpecError
 from axgen.tokenizer import load_tokenizer, train_tokenizer
 
 SPECS = Path("specs")
@@ -49,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         HFImportError,
         CheckpointError,
         OutputError,
+        PlanError,
     ) as err:
         _print_error(err)
         return 2
@@ -144,6 +147,23 @@ def _parser() -> argparse.ArgumentParser:
     )
     a.add_argument("--timeout", type=_positive_float, help="seconds one compile may take")
     a.set_defaults(run=_aot, out=None, check=False)
+
+    pl = sub.add_parser(
+        "plan", help="search mesh split x remat x microbatch (x splash block) by compiling; rank what fits"
+    )
+    pl.add_argument("spec", help="spec file, e.g. specs/llama2_7b.py")
+    pl.add_argument("--target", required=True, help="e.g. tpu-v5e-256")
+    pl.add_argument(
+        "--mesh",
+        type=_mesh,
+        action="append",
+        help="only this split, e.g. fsdp=256 or data=2,fsdp=-1 (repeatable; default: a search over splits)",
+    )
+    pl.add_argument("--max-compiles", type=_positive, default=40, help="compile budget (default 40)")
+    pl.add_argument("--jobs", type=_positive, default=2, help="compiles at once (default 2)")
+    pl.add_argument("--top", type=_positive, default=10, help="rows of the table (default 10)")
+    pl.add_argument("--write", action="store_true", help="put the winner first among the spec's mesh rules")
+    pl.set_defaults(run=_plan)
 
     t = sub.add_parser("targets", help="list the target patterns and their mesh rules")
     t.set_defaults(run=_targets)
@@ -328,6 +348,46 @@ def _aot(args) -> int:
         write_atomically(args.report, markdown(reports, failures, command))
         print(f"wrote {args.report}")
     return 1 if failures or not all(r.fits for r in reports) else 0
+
+
+def _plan(args) -> int:
+    """Exit 1 when nothing fits."""
+    spec = load_spec(args.spec)
+    plan = plan_for(spec, args.target)
+    found = search(
+        args.spec,
+        args.target,
+        max_compiles=args.max_compiles,
+        jobs=args.jobs,
+        meshes=args.mesh,
+        log=lambda line: print(line, flush=True),
+    )
+    tokens = spec.train.global_batch * spec.train.seq_len
+    print(table(found, plan, tokens, args.top))
+    best = next((o for o in found if o.fits), None)
+    if best is None:
+        return 1
+    if args.write:
+        why = (
+            f"axgen plan {date.today()}: {best.step_seconds:.3g} s a step estimated, "
+            f"peak {best.report.peak_bytes / 2**30:.2f} GiB of {plan.usable_bytes / 2**30:.1f}"
+        )
+        rule = write_rule(Path(args.spec), args.target, best.candidate, why)
+        print(f"wrote to {args.spec}: {rule}\nrun `axgen build {args.spec}` to regenerate its programs")
+    return 0
+
+
+def _mesh(text: str) -> dict[str, int]:
+    try:
+        mesh = {axis: int(size) for axis, size in (part.split("=") for part in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"is not axis=size[,axis=size...]: {text!r}") from None
+    unknown = set(mesh) - set(MESH_AXES)
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"names {', '.join(sorted(unknown))}, not one of {', '.join(MESH_AXES)}"
+        )
+    return mesh
 
 
 def _targets(args) -> int:

@@ -45,6 +45,9 @@ def load_spec(path: str | Path) -> Model:
     return spec
 
 
+_READ = "__axgen_read_mtime__"
+
+
 def _import(path: Path):
     """Imports the file; in a `specs/` folder as `specs.<name>`, so specs can derive from each other."""
     in_specs = path.parent.name == "specs"
@@ -53,7 +56,12 @@ def _import(path: Path):
         sys.path.insert(0, str(root))
     name = f"specs.{path.stem}" if in_specs else f"axgen_spec_{path.stem}"
     cached = sys.modules.get(name)
-    if cached is not None and Path(cached.__file__).resolve() == path:
+    written = path.stat().st_mtime_ns  # a spec rewritten since (axgen plan --write) is read again
+    if (
+        cached is not None
+        and Path(cached.__file__).resolve() == path
+        and cached.__dict__.get(_READ) == written
+    ):
         return cached
     module_spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(module_spec)
@@ -72,6 +80,7 @@ def _import(path: Path):
         KeyboardInterrupt,
     ) as err:  # whatever user code raises: one line, its spec line
         raise SpecError(f"{_user_frame(err)}: {_describe(err)}") from None
+    module.__dict__[_READ] = written
     sys.modules[name] = module
     return module
 

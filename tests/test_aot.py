@@ -7,7 +7,9 @@ import json
 import pytest
 
 from axgen.aot import Report, markdown
+from axgen.build import build
 from axgen.cli import main as axgen
+from axgen.ir import cost
 from tests.conftest import PROGRAM_ENV, ROOT
 
 PROGRAM_ENV_WITHOUT_FRACTION = {k: v for k, v in PROGRAM_ENV.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}
@@ -22,6 +24,18 @@ def aot(capsys, *args):
     return code, reports, captured.err
 
 
+def linear_flops_per_device(target, recomputed_roles=()):
+    """From the graph: 6 FLOPs per multiply-add of each projection per token, plus 2 for the forward of those
+    whose role the remat policy recomputes; the device's share of one step's tokens."""
+    built = build(TINY, target)
+    per_token = 0.0
+    for node in built.graph.nodes():
+        if node.op in ("linear", "lm_head"):
+            flops = cost._flops(built.graph, node, built.spec.train.seq_len) * cost._repeat(built.graph, node)
+            per_token += flops * (4 / 3 if node.attrs.role in recomputed_roles else 1)
+    return per_token * built.spec.train.global_batch * built.spec.train.seq_len / built.plan.num_devices
+
+
 def test_tpu_program_compiles_for_a_v5e_slice_with_the_splash_kernel(capsys):
     code, [report], _ = aot(capsys, TINY, "--target", "tpu-v5e-8")
     assert code == 0 and report["fits"]
@@ -30,6 +44,10 @@ def test_tpu_program_compiles_for_a_v5e_slice_with_the_splash_kernel(capsys):
     assert report["kernels"].get("tpu_custom_call", 0) >= 2, "splash attention forward and backward"
     assert report["collectives"].get("all-gather", 0) > 0, "fsdp gathers weights"
     assert report["xla_flops_per_device"] > 0 and report["flops_per_device"] > 0
+    # Its matmuls (TPU spells them as convolutions), each layer and microbatch counted: the weights' 6 FLOPs per
+    # multiply-add, and the forward of the MLP's gate and up again (v5e's save_dots_except_mlp recomputes them to
+    # rebuild the activation; the down projection's output is not needed for the backward pass).
+    assert report["dot_flops"] == linear_flops_per_device("tpu-v5e-8", recomputed_roles=("mlp_in",))
 
 
 def test_h100_program_compiles_through_the_cuda_plugin_with_cudnn_attention(capsys):
@@ -39,6 +57,7 @@ def test_h100_program_compiles_through_the_cuda_plugin_with_cudnn_attention(caps
     # The document mask reaches cuDNN's fused attention as a bias.
     assert {"__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"} <= set(report["kernels"])
     assert report["xla_flops_per_device"] is None, "XLA counts no FLOPs on GPU; the analytic figure stands"
+    assert report["dot_flops"] == linear_flops_per_device("gpu-h100-8"), "save_dots recomputes no matmul"
     # The fit is judged against what the program's allocator takes: 95% of the 79.1 GiB CUDA reports.
     assert report["usable_bytes"] == int(0.95 * 84_942_979_072) < report["hbm_bytes"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from axgen.ir.types import LOGICAL_AXES
 from axgen.spec import MESH_AXES, MeshRule, Model, Remat, SpecError
@@ -47,11 +47,16 @@ DOCUMENT_MASKS: dict[str, str] = {"xla": "dense", "splash": "segment_ids", "cudn
 
 @dataclass(frozen=True)
 class Chip:
+    """Published per-device facts; `axgen plan` estimates a step's time from the rates."""
+
     name: str
     peak_bf16_flops: float  # dense, per device
     hbm_bytes: int  # per device
     devices_per_host: int
     capabilities: frozenset[str] = frozenset()  # what features may need: host_offload, int8, fp8
+    hbm_bandwidth: float = field(kw_only=True)  # bytes/s
+    link_bandwidth: float = field(kw_only=True)  # bytes/s one way, to the devices of the same slice or host
+    host_bandwidth: float = field(kw_only=True)  # bytes/s one way, to the host's memory
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,10 @@ FAMILY = Family(
         hbm_bytes=24 * GIB,
         devices_per_host=1024,
         capabilities=frozenset({"int8"}),
+        # Fake devices share the host's memory: one core's share of a server's DRAM bandwidth, and copies.
+        hbm_bandwidth=20e9,
+        link_bandwidth=10e9,
+        host_bandwidth=20e9,
     ),
     # Sharded CPU programs take at most 4 sequences per device per pass: XLA's CPU compiler dies (SIGFPE) on a
     # 7B model's 64 x 8k-token pass, and a pass that large has no use on a CPU.

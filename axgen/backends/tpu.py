@@ -9,11 +9,39 @@ from axgen.spec import MeshRule, Remat, SpecError
 
 # Every generation has int8 MXU paths and host memory that XLA can offload to; none has fp8 matmuls.
 CAPABILITIES = frozenset({"host_offload", "int8"})
-# Published per-chip figures: dense bf16 FLOP/s and HBM.
+# Published per-chip figures: dense bf16 FLOP/s, HBM size and bandwidth, inter-chip interconnect (ICI: 1,600,
+# 4,800 and 3,584 Gbit/s). Host transfers assume one PCIe Gen4 x16 link (32 GB/s) shared by a host's 4 chips.
 CHIPS = {
-    "v5e": Chip("TPU v5e", 197e12, hbm_bytes=16 * GIB, devices_per_host=4, capabilities=CAPABILITIES),
-    "v5p": Chip("TPU v5p", 459e12, hbm_bytes=95 * GIB, devices_per_host=4, capabilities=CAPABILITIES),
-    "v6e": Chip("TPU v6e", 918e12, hbm_bytes=32 * GIB, devices_per_host=4, capabilities=CAPABILITIES),
+    "v5e": Chip(
+        "TPU v5e",
+        197e12,
+        hbm_bytes=16 * GIB,
+        devices_per_host=4,
+        capabilities=CAPABILITIES,
+        hbm_bandwidth=819e9,
+        link_bandwidth=200e9,
+        host_bandwidth=8e9,
+    ),
+    "v5p": Chip(
+        "TPU v5p",
+        459e12,
+        hbm_bytes=95 * GIB,
+        devices_per_host=4,
+        capabilities=CAPABILITIES,
+        hbm_bandwidth=2765e9,
+        link_bandwidth=600e9,
+        host_bandwidth=8e9,
+    ),
+    "v6e": Chip(
+        "TPU v6e",
+        918e12,
+        hbm_bytes=32 * GIB,
+        devices_per_host=4,
+        capabilities=CAPABILITIES,
+        hbm_bandwidth=1640e9,
+        link_bandwidth=448e9,
+        host_bandwidth=8e9,
+    ),
 }
 # Default remat by HBM: 16 GiB v5e keeps attention projections only (the MLP's are the widest); the larger
 # chips keep every projection.

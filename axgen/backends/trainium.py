@@ -18,6 +18,9 @@ FAMILY = Family(
         hbm_bytes=96 * GIB,
         devices_per_host=16,
         capabilities=frozenset({"fp8"}),
+        hbm_bandwidth=2.9e12,
+        link_bandwidth=640e9,  # NeuronLink-v3: 1.28 TB/s per chip, both ways
+        host_bandwidth=32e9,  # PCIe Gen5 x8 (assumed)
     ),
     rules=(
         # Tensor parallelism over 4 chips keeps its all-reduces on the fastest NeuronLink ring; fsdp across. Each

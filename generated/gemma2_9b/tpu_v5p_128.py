@@ -2,7 +2,7 @@
 # Regenerate: axgen build specs/gemma2_9b.py --target tpu-v5p-128
 # Mesh: data=1 fsdp=128 expert=1 model=1 on 128 x TPU v5p (rule 'tpu-v5p-\d+' at specs/gemma2_9b.py:38: 9B, 256k vocab: one sequence per pass)
 # Passes: rope(theta=10000.0) · sliding_window(window=4096, global_every=2) · gemma_block() · softcap(attention=50.0, final=30.0)
-# Lowering: remat(policy=save_dots) (default of backends/tpu.py:22) · attention splash (blocks of 512) (backends/tpu.py)
+# Lowering: remat(policy=save_dots) (default of backends/tpu.py:50) · attention splash (blocks of 512) (backends/tpu.py)
 """gemma2-9b training program for tpu-v5p-128.
 
 Run `python tpu_v5p_128.py --data DATASET --run-dir DIR` to train on an `axgen data` directory; import it to call `forward(params, tokens)`.
@@ -340,7 +340,7 @@ def rope(x, positions, theta, scaling=None):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-# remat · default of backends/tpu.py:22 · policy save_dots: keep every projection's output; recompute norms, rope, attention and activations
+# remat · default of backends/tpu.py:50 · policy save_dots: keep every projection's output; recompute norms, rope, attention and activations
 REMAT_POLICY = jax.checkpoint_policies.save_only_these_names("qkv_proj", "out_proj", "mlp_in", "mlp_out")
 
 

@@ -2,7 +2,7 @@
 # Regenerate: axgen build specs/mixtral_8x7b.py --target gpu-h100-64
 # Mesh: data=1 fsdp=64 expert=1 model=1 on 64 x NVIDIA H100 SXM (rule 'gpu-h100-\d+' at specs/mixtral_8x7b.py:20: 46.7B: fully sharded over every GPU)
 # Passes: moe(num_experts=8, top_k=2, every=1, aux_loss_weight=0.02, router_z_loss_weight=0.001) · rope(theta=1000000.0)
-# Lowering: remat(policy=save_dots) (default of backends/gpu.py:117) · attention cudnn · experts by mosaic_gpu (backends/gpu.py)
+# Lowering: remat(policy=save_dots) (default of backends/gpu.py:120) · attention cudnn · experts by mosaic_gpu (backends/gpu.py)
 """mixtral-8x7b training program for gpu-h100-64.
 
 Run `python gpu_h100_64.py --data DATASET --run-dir DIR` to train on an `axgen data` directory; import it to call `forward(params, tokens)`.
@@ -373,7 +373,7 @@ def rope(x, positions, theta, scaling=None):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-# remat · default of backends/gpu.py:117 · policy save_dots: keep every projection's output; recompute norms, rope, attention and activations
+# remat · default of backends/gpu.py:120 · policy save_dots: keep every projection's output; recompute norms, rope, attention and activations
 REMAT_POLICY = jax.checkpoint_policies.save_only_these_names("qkv_proj", "out_proj", "mlp_in", "mlp_out")
 
 

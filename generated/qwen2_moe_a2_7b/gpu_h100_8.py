@@ -2,7 +2,7 @@
 # Regenerate: axgen build specs/qwen2_moe_a2_7b.py --target gpu-h100-8
 # Mesh: data=1 fsdp=8 expert=1 model=1 on 8 x NVIDIA H100 SXM (rule 'gpu-h100-[1-8]' at specs/qwen2_moe_a2_7b.py:34: 14.3B MoE: one sequence per pass)
 # Passes: moe(num_experts=60, top_k=4, every=1, aux_loss_weight=0.001, shared_hidden_dim=5632, shared_gate=True) · qkv_bias() · rope(theta=1000000.0)
-# Lowering: remat(policy=save_dots) (default of backends/gpu.py:117) · attention cudnn · experts by mosaic_gpu (backends/gpu.py)
+# Lowering: remat(policy=save_dots) (default of backends/gpu.py:120) · attention cudnn · experts by mosaic_gpu (backends/gpu.py)
 """qwen2-moe-a2.7b training program for gpu-h100-8.
 
 Run `python gpu_h100_8.py --data DATASET --run-dir DIR` to train on an `axgen data` directory; import it to call `forward(params, tokens)`.
@@ -379,7 +379,7 @@ def rope(x, positions, theta, scaling=None):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
-# remat · default of backends/gpu.py:117 · policy save_dots: keep every projection's output; recompute norms, rope, attention and activations
+# remat · default of backends/gpu.py:120 · policy save_dots: keep every projection's output; recompute norms, rope, attention and activations
 REMAT_POLICY = jax.checkpoint_policies.save_only_these_names("qkv_proj", "out_proj", "mlp_in", "mlp_out")
 
 

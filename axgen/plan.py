@@ -1,0 +1,377 @@
+"""`axgen plan SPEC --target T`: the mesh rule a user would otherwise tune by hand, found by compiling.
+
+Candidates are mesh splits (data x fsdp x expert x model within a slice) x remat policies x microbatch sizes x
+splash block lengths (TPU). Each is compiled for the target's chips without them (`axgen aot`'s deviceless
+compile), dropped when its peak exceeds what the program's allocator takes, and ranked by an estimated step time:
+the slowest of four resources at the chip's published peak rate, as if the others overlapped with it
+(`latency-hiding` schedulers overlap collectives and host copies with compute):
+
+- compute: the FLOPs of XLA's optimized program (its dots, each loop body counted as often as it runs, so
+  recomputation and microbatching are in it) plus the model's FLOPs in kernels XLA does not see into (attention
+  kernels, MoE grouped matmuls), against peak bf16 FLOP/s;
+- memory: bytes its top-level instructions read and write, against HBM bandwidth;
+- host: bytes offloaded to host memory and back, against the host link;
+- collectives: bytes its collectives move, against the inter-device link.
+
+To keep the compiles few, memory decides the order. For each mesh and policy the largest microbatch that fits is
+searched from the top down (a smaller one only adds passes and weight gathers), and a policy is skipped where one
+that keeps no more already failed at that size or smaller. The splash block length is tried last, on the best few.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import black
+import libcst as cst
+import libcst.matchers as m
+
+from axgen.aot import AotError, Report, compile_target
+from axgen.backends import Plan, plan_for
+from axgen.backends.common import GIB, LOGICAL_AXIS_RULES
+from axgen.build import build
+from axgen.files import write_atomically
+from axgen.ir import cost
+from axgen.loader import load_spec
+from axgen.spec import MESH_AXES, REMAT_POLICIES, Model
+
+# Least recomputation first: the order in which policies are tried and ties broken.
+POLICIES = (
+    "none",
+    "save_dots",
+    "save_dots_except_mlp",
+    "offload_dots",
+    "save_qkv_proj",
+    "save_out_proj",
+    "full",
+)
+KEPT_ON_DEVICE = {
+    name: frozenset({"everything"} if not p.checkpoint else p.save) for name, p in REMAT_POLICIES.items()
+}
+MODEL_SPLITS = (1, 2, 4, 8)  # tensor parallelism beyond 8 leaves a host's fast links
+DATA_SPLITS = (1, 2, 4, 8)
+SPLASH_BLOCKS = (256, 512, 1024)
+BLOCKS_TRIED_ON = 3  # the best candidates whose splash block length is varied
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    mesh: tuple[tuple[str, int], ...]  # one slice's, every axis
+    microbatch: int
+    remat: str
+    attention_block: int | None = None
+
+    def fields(self) -> dict:
+        """The mesh rule's fields (`aot.candidate_rule`)."""
+        fields = {"mesh": {a: n for a, n in self.mesh if n > 1} or {"fsdp": 1}, "microbatch": self.microbatch}
+        fields["remat"] = self.remat
+        return fields | ({"attention_block": self.attention_block} if self.attention_block else {})
+
+    def mesh_text(self) -> str:
+        return " ".join(f"{a}={n}" for a, n in self.mesh if n > 1) or "1 device"
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    candidate: Candidate
+    report: Report | None
+    failure: str | None = None  # why it did not compile
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # compute, memory, host, collectives
+
+    @property
+    def fits(self) -> bool:
+        return self.report is not None and self.report.fits
+
+    @property
+    def step_seconds(self) -> float:
+        return max(self.seconds.values())
+
+    @property
+    def bound_by(self) -> str:
+        return max(self.seconds, key=self.seconds.get)
+
+
+@dataclasses.dataclass
+class Search:
+    """The compiles so far, shared by the workers that search one mesh each."""
+
+    spec_path: Path
+    target: str
+    max_compiles: int
+    log: Callable[[str], None]
+    estimate: Callable[[Candidate, Report], dict[str, float]]
+    outcomes: list[Outcome] = dataclasses.field(default_factory=list)
+    out_of_memory: dict[tuple, list[tuple[str, int]]] = dataclasses.field(
+        default_factory=dict
+    )  # mesh -> tried
+    finished: int = 0
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def compile(self, candidate: Candidate) -> Outcome | None:
+        """The candidate's outcome; None once the compile budget is spent."""
+        with self.lock:
+            if len(self.outcomes) >= self.max_compiles:
+                return None
+            self.outcomes.append(placeholder := Outcome(candidate, None, "compiling"))
+        try:
+            report = compile_target(self.spec_path, self.target, rule=candidate.fields())
+            outcome = Outcome(
+                candidate, report, seconds=self.estimate(candidate, report) if report.fits else {}
+            )
+        except (AotError, ValueError) as err:
+            outcome = Outcome(candidate, None, str(err).splitlines()[0])
+        with self.lock:
+            self.outcomes[self.outcomes.index(placeholder)] = outcome
+            self.finished += 1
+            self.log(_progress(outcome, self.finished, self.max_compiles))
+        return outcome
+
+
+def search(
+    spec_path: str | Path,
+    target: str,
+    *,
+    max_compiles: int = 40,
+    jobs: int = 2,
+    meshes: list[dict[str, int]] | None = None,
+    log: Callable[[str], None] = lambda line: None,
+) -> list[Outcome]:
+    """Every candidate compiled, best first: those that fit by estimated step time, then the others."""
+    spec_path = Path(spec_path)
+    spec = load_spec(spec_path)
+    plan = plan_for(spec, target)
+    kernel_flops = _kernel_flops(spec_path, target)
+    state = Search(spec_path, target, max_compiles, log, lambda c, r: estimate(plan, r, kernel_flops))
+    per_slice = plan.num_devices // plan.num_slices
+    mesh_splits = [_full(m, per_slice) for m in meshes] if meshes else _meshes(spec, plan)
+    policies = [p for p in POLICIES if p != "offload_dots" or "host_offload" in plan.chip.capabilities]
+    block = plan.attention_block
+    with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
+        # Policy by policy, so a spent budget leaves every mesh tried under the cheaper ones.
+        for policy in policies:
+            list(pool.map(lambda mesh: _frontier(state, spec, plan, mesh, policy, block), mesh_splits))
+        if plan.attention == "splash":
+            best = [o.candidate for o in ranked(state.outcomes)[:BLOCKS_TRIED_ON] if o.fits]
+            others = [
+                dataclasses.replace(c, attention_block=b)
+                for c in best
+                for b in SPLASH_BLOCKS
+                if b != c.attention_block and spec.train.seq_len % b == 0
+            ]
+            list(pool.map(state.compile, others))
+    return ranked(state.outcomes)
+
+
+def ranked(outcomes: list[Outcome]) -> list[Outcome]:
+    fitting = sorted(
+        (o for o in outcomes if o.fits), key=lambda o: (o.step_seconds, POLICIES.index(o.candidate.remat))
+    )
+    return fitting + [o for o in outcomes if not o.fits and o.failure != "compiling"]
+
+
+def estimate(plan: Plan, report: Report, kernel_flops: float) -> dict[str, float]:
+    """Seconds per step each resource needs at its peak rate."""
+    chip = plan.chip
+    return {
+        "compute": (report.dot_flops + kernel_flops) / chip.peak_bf16_flops,
+        "memory": report.memory_bytes / chip.hbm_bandwidth,
+        "host": report.host_transfer_bytes / chip.host_bandwidth,
+        "collectives": sum(report.collective_bytes.values()) / chip.link_bandwidth,
+    }
+
+
+def _frontier(state: Search, spec: Model, plan: Plan, mesh: tuple, policy: str, block: int | None) -> None:
+    """The largest microbatch that fits on this mesh under this policy, skipping sizes that cannot fit: those at
+    or above one where a policy keeping no more on the device already did not."""
+    failed = state.out_of_memory.setdefault(mesh, [])
+    for microbatch in _microbatches(spec, plan, mesh):
+        if any(KEPT_ON_DEVICE[p] <= KEPT_ON_DEVICE[policy] and m <= microbatch for p, m in failed):
+            continue
+        outcome = state.compile(Candidate(mesh, microbatch, policy, block))
+        if outcome is None or outcome.fits:
+            return
+        if outcome.report is not None:  # out of memory, not a failure of another kind
+            failed.append((policy, microbatch))
+
+
+def _meshes(spec: Model, plan: Plan) -> list[tuple[tuple[str, int], ...]]:
+    """Splits of one slice's devices: model and expert parallelism where the model's widths divide, data
+    parallelism over a few groups, fsdp over the rest; the target's own rule first."""
+    per_slice = plan.num_devices // plan.num_slices
+    attention, moe = spec.decoder.attention, spec.feature("moe")
+    widths = (attention.num_heads, attention.num_kv_heads, spec.decoder.mlp.hidden_dim, spec.vocab_size)
+    experts = (1, 2, 4, 8) if moe else (1,)
+    own = tuple((a, n // (plan.num_slices if a == "data" else 1)) for a, n in plan.mesh)
+    found = [own]
+    for model in MODEL_SPLITS:
+        for expert in experts:
+            for data in DATA_SPLITS:
+                if per_slice % (model * expert * data) or any(w % model for w in widths):
+                    continue
+                if moe and moe.num_experts % expert:
+                    continue
+                mesh = _full({"data": data, "expert": expert, "model": model, "fsdp": -1}, per_slice)
+                batch_shards = math.prod(n for a, n in mesh if a in dict(LOGICAL_AXIS_RULES)["batch"])
+                if mesh not in found and spec.train.global_batch % (batch_shards * plan.num_slices) == 0:
+                    found.append(mesh)
+    return found
+
+
+def _full(mesh: dict[str, int], devices: int) -> tuple[tuple[str, int], ...]:
+    fixed = math.prod(n for n in mesh.values() if n != -1)
+    return tuple((a, devices // fixed if mesh.get(a) == -1 else mesh.get(a, 1)) for a in MESH_AXES)
+
+
+def _microbatches(spec: Model, plan: Plan, mesh: tuple) -> list[int]:
+    """Sequences per device per pass, largest first: the divisors of the per-device batch."""
+    batch_shards = math.prod(n for a, n in mesh if a in dict(LOGICAL_AXIS_RULES)["batch"]) * plan.num_slices
+    per_device = spec.train.global_batch // batch_shards
+    return [m for m in range(per_device, 0, -1) if per_device % m == 0]
+
+
+def _kernel_flops(spec_path: Path, target: str) -> float:
+    """Per device per step: the model's FLOPs in attention kernels and MoE grouped matmuls, which the HLO's dots
+    leave out (their recomputation under remat is not counted)."""
+    built = build(spec_path, target)
+    graph, train = built.graph, built.spec.train
+    in_kernels = [
+        n for n in graph.nodes() if n.op == "moe" or (n.op == "attention" and n.attrs.kernel != "xla")
+    ]
+    per_token = sum(cost._flops(graph, n, train.seq_len) * cost._repeat(graph, n) for n in in_kernels)
+    return per_token * train.global_batch * train.seq_len / built.plan.num_devices
+
+
+def _progress(outcome: Outcome, done: int, budget: int) -> str:
+    c = outcome.candidate
+    what = f"{c.mesh_text()}, microbatch {c.microbatch}, {c.remat}" + (
+        f", block {c.attention_block}" if c.attention_block else ""
+    )
+    if outcome.report is None:
+        result = f"failed: {outcome.failure}"
+    elif not outcome.fits:
+        peak = outcome.report.peak_bytes
+        result = "does not fit" + (f" ({peak / GIB:.2f} GiB)" if peak else " (the compiler refused)")
+    else:
+        result = (
+            f"fits ({outcome.report.peak_bytes / GIB:.2f} GiB), about {outcome.step_seconds:.3g} s a step"
+        )
+    return f"[{done}/{budget}] {what}: {result}"
+
+
+def table(outcomes: list[Outcome], plan: Plan, tokens_per_step: int, top: int) -> str:
+    """The ranked candidates that fit, then how many did not and why, as text."""
+    fitting = [o for o in outcomes if o.fits]
+    lines = [
+        f"{'rank':>4}  {'mesh':<26} {'micro':>5} {'remat':<21} {'block':>5} {'peak GiB':>9} "
+        f"{'step s':>8} {'tokens/s':>10}  bound by (compute / memory / host / collectives s)"
+    ]
+    for rank, o in enumerate(fitting[:top], 1):
+        c, s = o.candidate, o.seconds
+        terms = " / ".join(f"{s[k]:.3g}" for k in ("compute", "memory", "host", "collectives"))
+        lines.append(
+            f"{rank:>4}  {c.mesh_text():<26} {c.microbatch:>5} {c.remat:<21} {c.attention_block or '-':>5} "
+            f"{o.report.peak_bytes / GIB:>9.2f} {o.step_seconds:>8.3g} {tokens_per_step / o.step_seconds:>10.4g}  "
+            f"{o.bound_by} ({terms})"
+        )
+    dropped = [o for o in outcomes if not o.fits]
+    usable = f"{plan.usable_bytes / GIB:.1f} GiB usable per device"
+    lines.append(f"{len(fitting)} fit {usable}; {len(dropped)} did not:")
+    lines += [f"  {_progress(o, 0, 0).split('] ', 1)[1]}" for o in dropped]
+    return "\n".join(lines)
+
+
+def write_rule(spec_path: Path, target: str, candidate: Candidate, why: str) -> str:
+    """Puts the candidate first among the spec's mesh rules, as a rule for exactly `target` (replacing one an
+    earlier plan wrote for it), checks the spec now plans to it, and returns the rule's source."""
+    fields = candidate.fields()
+    rule = (
+        f"MeshRule({target!r}, {fields.pop('mesh')!r}, why={why!r}, "
+        + ", ".join(f"{k}=Remat(policy={v!r})" if k == "remat" else f"{k}={v!r}" for k, v in fields.items())
+        + ")"
+    )
+    source = spec_path.read_text()
+    try:
+        edited = black.format_str(_with_rule(source, target, rule), mode=black.Mode(line_length=110))
+    except PlanError as err:
+        raise PlanError(f"{spec_path}: {err}") from None
+    write_atomically(spec_path, edited)
+    plan = plan_for(load_spec(spec_path), target)
+    if (plan.microbatch, plan.remat.policy if plan.remat else None) != (
+        candidate.microbatch,
+        candidate.remat,
+    ):
+        write_atomically(spec_path, source)
+        raise PlanError(f"{spec_path}: the written rule does not decide target {target}; left unchanged")
+    return rule
+
+
+class PlanError(ValueError):
+    """A plan that cannot be written: one line."""
+
+
+def _with_rule(source: str, target: str, rule: str) -> str:
+    adding = _AddRule(target, cst.parse_expression(rule))
+    module = cst.parse_module(source).visit(adding)
+    if not adding.done:
+        raise PlanError("has no `spec = Model(...)` or `spec = <spec>.replace(...)` to add a mesh rule to")
+    names = {
+        alias.name.value
+        for statement in module.body
+        for small in getattr(statement, "body", [])
+        if isinstance(small, cst.ImportFrom) and not isinstance(small.names, cst.ImportStar)
+        for alias in small.names
+    }
+    missing = [name for name in ("MeshRule", "Remat") if name not in names]
+    if missing:
+        last_import = max(
+            (
+                i
+                for i, s in enumerate(module.body)
+                if m.matches(s, m.SimpleStatementLine([m.ImportFrom() | m.Import()]))
+            ),
+            default=-1,
+        )
+        line = cst.parse_statement(f"from axgen.spec import {', '.join(missing)}\n")
+        module = module.with_changes(
+            body=[*module.body[: last_import + 1], line, *module.body[last_import + 1 :]]
+        )
+    return module.code
+
+
+class _AddRule(cst.CSTTransformer):
+    """In `spec = Model(...)` or `spec = base.replace(...)`: the rule first in `mesh_rules`."""
+
+    def __init__(self, target: str, rule: cst.BaseExpression):
+        self.target, self.rule, self.done = target, rule, False
+
+    def leave_Assign(self, original: cst.Assign, updated: cst.Assign) -> cst.Assign:
+        is_spec = any(m.matches(t.target, m.Name("spec")) for t in updated.targets)
+        if not is_spec or not isinstance(updated.value, cst.Call):
+            return updated
+        call = updated.value
+        keyword = next((a for a in call.args if a.keyword and a.keyword.value == "mesh_rules"), None)
+        if keyword is not None and isinstance(keyword.value, cst.List):
+            kept = [e for e in keyword.value.elements if not self._for_target(e.value)]
+            value = keyword.value.with_changes(elements=[cst.Element(self.rule), *kept])
+            args = [a.with_changes(value=value) if a is keyword else a for a in call.args]
+        elif keyword is None:
+            receiver = call.func.value if m.matches(call.func, m.Attribute(attr=m.Name("replace"))) else None
+            rest = f", *{cst.Module([]).code_for_node(receiver)}.mesh_rules" if receiver is not None else ""
+            value = cst.parse_expression(f"[{cst.Module([]).code_for_node(self.rule)}{rest}]")
+            args = [*call.args, cst.Arg(value, keyword=cst.Name("mesh_rules"))]
+        else:
+            raise PlanError("Model.mesh_rules is not a list literal, so axgen plan cannot add a rule to it")
+        self.done = True
+        return updated.with_changes(value=call.with_changes(args=args))
+
+    def _for_target(self, element: cst.BaseExpression) -> bool:
+        return (
+            m.matches(element, m.Call(func=m.Name("MeshRule")))
+            and m.matches(element.args[0].value, m.SimpleString())
+            and element.args[0].value.evaluated_value == self.target
+        )

@@ -1,0 +1,111 @@
+"""`axgen plan` compiles candidate mesh rules for the target's chips, drops what does not fit what the program's
+allocator takes, ranks the rest by estimated step time, and with --write records the winner as the spec's rule.
+"""
+
+import dataclasses
+import shutil
+import types
+
+import pytest
+
+from axgen import plan as planning
+from axgen.backends import plan_for
+from axgen.build import build
+from axgen.cli import main as axgen
+from axgen.loader import load_spec
+from tests.conftest import ROOT
+
+# llama_tiny widened until keeping every activation of a 128-sequence pass no longer fits an H100.
+WIDE = '''"""llama_tiny, wide enough to need remat or microbatches on one H100."""
+
+from axgen.spec import MLP, Attention
+from axgen.specs.llama_tiny import spec as llama_tiny
+
+spec = llama_tiny.replace(
+    name="wide-tiny",
+    d_model=1024,
+    decoder=llama_tiny.decoder.replace(
+        num_layers=8,
+        attention=Attention(num_heads=8, num_kv_heads=8, head_dim=128),
+        mlp=MLP(hidden_dim=4096, activation="swiglu"),
+    ),
+    train=llama_tiny.train.replace(seq_len=2048, global_batch=128),
+    targets=["gpu-h100-1"],
+)
+'''
+
+
+def test_plan_drops_what_does_not_fit_ranks_the_rest_and_writes_the_winner(tmp_path, capsys):
+    spec = tmp_path / "specs" / "wide_tiny.py"
+    spec.parent.mkdir()
+    spec.write_text(WIDE)
+    code = axgen(["plan", str(spec), "--target", "gpu-h100-1", "--max-compiles", "3", "--write"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    # Keeping everything, 128 and 64 sequences per pass need 154 and 79 GiB: over the 75.2 GiB the program's
+    # allocator takes (95% of 79.1), though 79 GiB is under the H100's nameplate.
+    assert "[1/3] 1 device, microbatch 128, none: does not fit (154.00 GiB)" in out
+    assert "[2/3] 1 device, microbatch 64, none: does not fit (78.64 GiB)" in out
+    assert "1 fit 75.2 GiB usable per device; 2 did not:" in out
+    [row] = [line for line in out.splitlines() if line.startswith("   1  ")]
+    assert row.split()[1:5] == ["1", "device", "32", "none"]
+
+    written = load_spec(spec)
+    assert written.mesh_rules[0].pattern == "gpu-h100-1" and written.mesh_rules[0].why.startswith(
+        "axgen plan"
+    )
+    plan = plan_for(written, "gpu-h100-1")
+    assert (plan.microbatch, plan.grad_accum_steps, plan.remat.policy) == (32, 4, "none")
+    assert "GRAD_ACCUM_STEPS = 4" in build(spec, "gpu-h100-1").source
+
+
+def test_a_second_plan_replaces_the_rule_the_first_wrote_and_derived_specs_keep_their_bases_rules(tmp_path):
+    spec = tmp_path / "specs" / "derived.py"
+    spec.parent.mkdir()
+    spec.write_text(
+        "from axgen.specs.llama_tiny import spec as tiny\n\nspec = tiny.replace(name='derived')\n"
+    )
+    mesh = (("data", 1), ("fsdp", 8), ("expert", 1), ("model", 1))
+    first = planning.Candidate(mesh, 2, "save_dots")
+    planning.write_rule(spec, "cpu-8", first, "first")
+    planning.write_rule(spec, "cpu-8", dataclasses.replace(first, microbatch=1, remat="full"), "second")
+    source = spec.read_text()
+    assert source.count("MeshRule(") == 1 and "from axgen.spec import MeshRule, Remat" in source
+    assert "*tiny.mesh_rules" in source
+    plan = plan_for(load_spec(spec), "cpu-8")
+    assert (plan.microbatch, plan.remat.policy, plan.rule.why) == (1, "full", "second")
+
+
+def test_a_policy_is_not_compiled_where_one_keeping_no_more_already_did_not_fit():
+    """offload_dots keeps nothing on the device, as full remat does: where it did not fit, full will not."""
+    fits_at = {"offload_dots": 0, "full": 0, "save_dots": 2}  # the largest microbatch each fits at
+    compiled = []
+
+    def compile_candidate(candidate):
+        compiled.append((candidate.remat, candidate.microbatch))
+        report = types.SimpleNamespace(fits=candidate.microbatch <= fits_at[candidate.remat])
+        return types.SimpleNamespace(fits=report.fits, report=report)
+
+    state = types.SimpleNamespace(out_of_memory={}, compile=compile_candidate)
+    spec = load_spec(ROOT / "specs/llama_tiny.py")
+    plan = plan_for(spec, "cpu-1")  # 16 sequences on one device
+    mesh = planning._full({"fsdp": 1}, 1)
+    for policy in ("save_dots", "offload_dots", "full"):
+        planning._frontier(state, spec, plan, mesh, policy, None)
+    assert compiled == [("save_dots", 16), ("save_dots", 8), ("save_dots", 4), ("save_dots", 2)] + [
+        ("offload_dots", m) for m in (16, 8, 4, 2, 1)
+    ]
+
+
+def test_plan_inputs_are_one_line(capsys, tmp_path):
+    with pytest.raises(SystemExit) as exit:
+        axgen(["plan", str(ROOT / "specs/llama_tiny.py"), "--target", "cpu-8", "--mesh", "fsdb=8"])
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert "names fsdb, not one of data, fsdp, expert, model" in err and len(err.strip().splitlines()) == 1
+    shutil.copy(ROOT / "specs/llama_tiny.py", tmp_path / "tiny.py")
+    (tmp_path / "tiny.py").write_text((tmp_path / "tiny.py").read_text().replace("spec = ", "spec = [] or "))
+    with pytest.raises(planning.PlanError, match="tiny.py: has no `spec = Model"):
+        planning.write_rule(
+            tmp_path / "tiny.py", "cpu-8", planning.Candidate(planning._full({}, 8), 1, "full"), "x"
+        )
