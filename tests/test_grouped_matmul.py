@@ -23,6 +23,7 @@ from tests.conftest import ROOT
 
 MIXTRAL, QWEN_MOE = ROOT / "specs/mixtral_8x7b.py", ROOT / "specs/qwen2_moe_a2_7b.py"
 PROGRAM = ROOT / "generated/features_tiny/gpu_h100_8.py"  # embed 128 -> mlp 384 experts, gated shared expert
+TPU_PROGRAM = ROOT / "generated/features_tiny/tpu_v5e_8.py"
 
 
 def test_tiles_are_the_measured_ones_where_the_widths_take_them_and_smaller_ones_elsewhere():
@@ -40,17 +41,19 @@ def test_tiles_are_the_measured_ones_where_the_widths_take_them_and_smaller_ones
     )
 
 
-def test_h100_programs_use_the_kernel_and_other_targets_ragged_dot():
+def test_h100_programs_use_mosaic_gpu_tpu_programs_megablox_and_cpu_programs_ragged_dot():
     mixtral = build(MIXTRAL, "gpu-h100-64").source
     assert "experts by mosaic_gpu" in mixtral.splitlines()[4]
     assert (
         "from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu" in mixtral
     )
     assert "hidden = expert_mlp(rows, gate, grouped_matmul(rows, w_up, group_sizes))" in mixtral
-    for target in ("cpu-8", "tpu-v5p-256"):
-        source = build(MIXTRAL, target).source
-        assert "grouped_matmul" not in source and "ragged_dot_mgpu" not in source
-        assert "jax.lax.ragged_dot(rows, w_up, group_sizes)" in source
+    tpu = build(MIXTRAL, "tpu-v5p-256").source
+    assert "experts by megablox_gmm" in tpu.splitlines()[4] and "ragged_dot_mgpu" not in tpu
+    assert '"tm": 512, "tk": 1024, "tn": 1024' in tpu
+    cpu = build(MIXTRAL, "cpu-8").source
+    assert "grouped_matmul" not in cpu and "megablox" not in cpu
+    assert "jax.lax.ragged_dot(rows, w_up, group_sizes)" in cpu
 
 
 def test_experts_the_kernel_cannot_tile_keep_ragged_dot_and_the_program_says_why(tmp_path):
@@ -94,9 +97,9 @@ def program():
 
 
 def _grads(program, impl, f, *args):
-    program.GROUPED_MATMUL_IMPL = impl
+    kernel, program.GROUPED_MATMUL_IMPL = program.GROUPED_MATMUL_IMPL, impl
     value, grads = jax.value_and_grad(f, argnums=tuple(range(len(args) - 1)))(*args)
-    program.GROUPED_MATMUL_IMPL = "mosaic_gpu"
+    program.GROUPED_MATMUL_IMPL = kernel
     return jax.tree.map(lambda x: np.asarray(x, np.float32), (value, grads))
 
 
@@ -142,3 +145,28 @@ def test_the_programs_experts_give_ragged_dots_loss_and_gradients_through_the_ke
 
     args = (x, layer["w_gate"], layer["w_up"], layer["w_down"], logits)
     _assert_close(_grads(program, "mosaic_gpu", loss, *args), _grads(program, "xla", loss, *args))
+
+
+@pytest.fixture
+def tpu_kernels_interpreted():
+    jax_config.pallas_tpu_interpret_mode_context_manager.set_global(True)
+    yield
+    jax_config.pallas_tpu_interpret_mode_context_manager.set_global(None)
+
+
+def test_megablox_and_its_gradients_equal_ragged_dot_with_rows_after_the_last_group(tpu_kernels_interpreted):
+    program = load_program(TPU_PROGRAM)
+    assert program.GROUPED_MATMUL_TILES == {"tm": 512, "tk": 128, "tn": 128}
+    keys = jax.random.split(jax.random.key(0), 3)
+    rows = jax.random.normal(keys[0], (256, 128), jnp.bfloat16)
+    weights = jax.random.normal(keys[1], (4, 128, 384), jnp.bfloat16) / 8
+    cotangent = jax.random.normal(keys[2], (256, 384), jnp.float32)
+    group_sizes = jnp.array([70, 0, 81, 20], jnp.int32)  # the last 85 rows are in no group
+
+    def loss(rows, weights, group_sizes):
+        return jnp.sum(program.grouped_matmul(rows, weights, group_sizes).astype(jnp.float32) * cotangent)
+
+    kernel = _grads(program, "megablox_gmm", loss, rows, weights, group_sizes)
+    xla = _grads(program, "xla", loss, rows, weights, group_sizes)
+    _assert_close(kernel, xla)
+    assert np.abs(kernel[1][0][171:]).max() == 0

@@ -96,6 +96,7 @@ def _context(env, graph, plan, spec, passes, spec_path, output_name) -> dict:
         "uses_checkpoint_name": any(getattr(n.attrs, "checkpoint_name", None) for n in nodes),
         "uses_functools": bool(remat or quantized),
         "uses_mosaic_gpu": any(n.attrs.grouped_matmul == "mosaic_gpu" for n in graph.nodes(op="moe")),
+        "uses_megablox": any(n.attrs.grouped_matmul == "megablox_gmm" for n in graph.nodes(op="moe")),
         "uses_splash": any(n.attrs.kernel == "splash" for n in graph.nodes(op="attention")),
     }
 

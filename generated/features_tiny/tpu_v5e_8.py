@@ -2,7 +2,7 @@
 # Regenerate: axgen build specs/features_tiny.py --target tpu-v5e-8
 # Mesh: data=1 fsdp=8 expert=1 model=1 on 8 x TPU v5e (rule 'tpu-v.*' at backends/tpu.py:80: fully sharded data parallel over every chip of the slice)
 # Passes: moe(num_experts=4, top_k=2, every=2, aux_loss_weight=0.01, router_z_loss_weight=0.001, shared_hidden_dim=128, shared_gate=True) · qkv_bias() · qk_norm(eps=1e-06) · quantize() · remat(policy=save_dots) · rope(theta=10000.0) · sliding_window(window=64) · gemma_block() · softcap(attention=50.0, final=30.0)
-# Lowering: attention splash (blocks of 128) · int8 dots (backends/tpu.py)
+# Lowering: attention splash (blocks of 128) · experts by megablox_gmm · int8 dots (backends/tpu.py)
 """features-tiny training program for tpu-v5e-8.
 
 Run `python tpu_v5e_8.py --data DATASET --run-dir DIR` to train on an `axgen data` directory; import it to call `forward(params, tokens)`.
@@ -33,6 +33,7 @@ import orbax.checkpoint as ocp
 import tensorboardX
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import multihost_utils
+from jax.experimental.pallas.ops.tpu import megablox
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import NamedSharding
@@ -403,6 +404,33 @@ def route(router_logits, top_k, batch_axes=None):
 def expert_mlp(x, gate, up):
     """The spec's MLP activation on each expert's hidden units (`gate` is None without a gate)."""
     return jax.nn.silu(gate) * up
+
+
+# The megablox grouped matmul's tiles for experts of embed=128 -> mlp on one device, from
+# backends/tpu.py. AXGEN_XLA_KERNELS=1 (the test switch) takes XLA's ragged_dot instead, so the program runs on CPU.
+GROUPED_MATMUL_TILES = {"tm": 512, "tk": 128, "tn": 128}
+GROUPED_MATMUL_IMPL = "xla" if os.environ.get("AXGEN_XLA_KERNELS") == "1" else "megablox_gmm"
+
+
+def grouped_matmul(rows, weights, group_sizes):
+    """rows [rows, in] x weights [experts, in, out] -> [rows, out]: each expert's contiguous group of rows times
+    its own weights, as jax.lax.ragged_dot computes it, by megablox's kernel (its own gradient runs tgmm for the
+    weights). Rows after the last group give zeros, and take no gradient: the kernel leaves them unwritten."""
+    if GROUPED_MATMUL_IMPL == "xla":
+        return jax.lax.ragged_dot(rows, weights, group_sizes)
+    # Row tiles divide the rows: a device's tokens x top_k, a multiple of 512 at any real sequence length.
+    tiling = (
+        math.gcd(rows.shape[0], GROUPED_MATMUL_TILES["tm"]),
+        GROUPED_MATMUL_TILES["tk"],
+        GROUPED_MATMUL_TILES["tn"],
+    )
+    out = megablox.gmm(in_groups(rows, group_sizes), weights, group_sizes, rows.dtype, tiling)
+    return in_groups(out, group_sizes)
+
+
+def in_groups(x, group_sizes):
+    """x with the rows after the last group zeroed: the kernel leaves them unwritten."""
+    return jnp.where(jnp.arange(x.shape[0])[:, None] < group_sizes.sum(), x, 0)
 
 
 def moe_dropless(x, router_logits, w_gate, w_up, w_down, top_k):

@@ -2,7 +2,7 @@
 # Regenerate: axgen build specs/mixtral_8x7b.py --target tpu-v5p-256
 # Mesh: data=1 fsdp=256 expert=1 model=1 on 256 x TPU v5p (rule 'tpu-v5p-\d+' at backends/tpu.py:76: fully sharded over the slice, two sequences per pass)
 # Passes: moe(num_experts=8, top_k=2, every=1, aux_loss_weight=0.02, router_z_loss_weight=0.001) · rope(theta=1000000.0)
-# Lowering: remat(policy=save_dots) (default of backends/tpu.py:50) · attention splash (blocks of 512) (backends/tpu.py)
+# Lowering: remat(policy=save_dots) (default of backends/tpu.py:50) · attention splash (blocks of 512) · experts by megablox_gmm (backends/tpu.py)
 """mixtral-8x7b training program for tpu-v5p-256.
 
 Run `python tpu_v5p_256.py --data DATASET --run-dir DIR` to train on an `axgen data` directory; import it to call `forward(params, tokens)`.
@@ -33,6 +33,7 @@ import orbax.checkpoint as ocp
 import tensorboardX
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import multihost_utils
+from jax.experimental.pallas.ops.tpu import megablox
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import NamedSharding
@@ -280,6 +281,33 @@ def route(router_logits, top_k, batch_axes=None):
 def expert_mlp(x, gate, up):
     """The spec's MLP activation on each expert's hidden units (`gate` is None without a gate)."""
     return jax.nn.silu(gate) * up
+
+
+# The megablox grouped matmul's tiles for experts of embed=4096 -> mlp on one device, from
+# backends/tpu.py. AXGEN_XLA_KERNELS=1 (the test switch) takes XLA's ragged_dot instead, so the program runs on CPU.
+GROUPED_MATMUL_TILES = {"tm": 512, "tk": 1024, "tn": 1024}
+GROUPED_MATMUL_IMPL = "xla" if os.environ.get("AXGEN_XLA_KERNELS") == "1" else "megablox_gmm"
+
+
+def grouped_matmul(rows, weights, group_sizes):
+    """rows [rows, in] x weights [experts, in, out] -> [rows, out]: each expert's contiguous group of rows times
+    its own weights, as jax.lax.ragged_dot computes it, by megablox's kernel (its own gradient runs tgmm for the
+    weights). Rows after the last group give zeros, and take no gradient: the kernel leaves them unwritten."""
+    if GROUPED_MATMUL_IMPL == "xla":
+        return jax.lax.ragged_dot(rows, weights, group_sizes)
+    # Row tiles divide the rows: a device's tokens x top_k, a multiple of 512 at any real sequence length.
+    tiling = (
+        math.gcd(rows.shape[0], GROUPED_MATMUL_TILES["tm"]),
+        GROUPED_MATMUL_TILES["tk"],
+        GROUPED_MATMUL_TILES["tn"],
+    )
+    out = megablox.gmm(in_groups(rows, group_sizes), weights, group_sizes, rows.dtype, tiling)
+    return in_groups(out, group_sizes)
+
+
+def in_groups(x, group_sizes):
+    """x with the rows after the last group zeroed: the kernel leaves them unwritten."""
+    return jnp.where(jnp.arange(x.shape[0])[:, None] < group_sizes.sum(), x, 0)
 
 
 def moe_dropless(x, router_logits, w_gate, w_up, w_down, top_k):

@@ -1,0 +1,276 @@
+"""The truth table on one H100: tokens/s, MFU and peak memory, predicted by `axgen aot` and measured, for the dense,
+fp8, Llama-3-8B-width and Mixtral-width programs, the Mixtral-width one with XLA's ragged_dot and with the Mosaic
+GPU kernel side by side, the dense one under each XLA flag worth trying, and `axgen plan`'s top five for the
+dense model (its first choice against the fastest measured). MaxText on the same dense model where it is installed.
+
+    .venv/bin/python bench/h100.py prepare            # on a host with axgen: programs, dataset, AOT peaks, plan
+    python bench/h100.py run --out docs/h100.md       # on the H100: needs jax, optax, orbax, tensorboardX only
+    .venv/bin/python bench/h100.py smoke              # both, with tiny models on CPU: checks the bench itself
+
+`prepare` writes build/h100/ (about 1 MB): the emitted programs, a byte-level dataset of the demo corpus and
+manifest.json with what each row runs and what `axgen aot` predicted. `run` trains each program for --steps
+steps, reads its metrics.jsonl (tokens/s and MFU: the median after the first logged interval, which holds the
+compile; peak: the largest `peak_bytes_in_use` logged) and prints one markdown table. A row whose program AOT
+said fits and that did not run is the failure this bench exists to catch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+GIB = 2**30
+# Each model at the width it is named for, a few layers deep, 8 sequences of 4096 tokens a step (PLATFORM.md).
+MODELS = {
+    "dense": ("llama2_7b", "num_layers=8", ""),
+    "fp8": ("llama2_7b", "num_layers=8", 'features=[*base.features, F.quantize(dtype="fp8")], '),
+    "llama3-8b width": ("llama3_8b", "num_layers=4", ""),
+    "mixtral width": ("mixtral_8x7b", "num_layers=2", ""),
+}
+SPEC = """from axgen.spec import features as F
+from axgen.specs.{base} import spec as base
+
+spec = base.replace(
+    name="{name}",
+    decoder=base.decoder.replace({layers}),
+    {features}train=base.train.replace(seq_len={seq_len}, global_batch={batch}, steps=1000, checkpoint_every=1000),
+    targets=["{target}"],
+    mesh_rules=[],
+)
+"""
+# Flags tried on the dense program (added after the target's own, so they win); each row says what it measured.
+FLAGS = {
+    "no latency-hiding scheduler": "--xla_gpu_enable_latency_hiding_scheduler=false",
+    "no command buffers": "--xla_gpu_enable_command_buffer=",
+    "no Triton gemms (cuBLAS only)": "--xla_gpu_enable_triton_gemm=false",
+    "while-loop double buffering": "--xla_gpu_enable_while_loop_double_buffering=true",
+}
+KERNEL_SWITCH = 'GROUPED_MATMUL_IMPL = "xla" if os.environ.get("AXGEN_XLA_KERNELS") == "1" else "mosaic_gpu"'
+PLAN_TOP = 5
+
+
+def prepare(out: Path, target: str, seq_len: int, batch: int, tiny: bool, plan_compiles: int) -> None:
+    """Everything `run` needs, built with axgen on this host."""
+    from axgen.aot import candidate_rule, compile_target
+    from axgen.build import build
+    from axgen.corpus import module_sources
+    from axgen.data import write_dataset
+    from axgen.plan import search
+
+    shutil.rmtree(out, ignore_errors=True)
+    (out / "specs").mkdir(parents=True)
+    documents = [text.encode() for text in module_sources().values()]
+    import numpy as np
+
+    write_dataset(
+        out / "data",
+        [np.frombuffer(d, np.uint8) for d in documents],
+        vocab_size=256,
+        bos_id=None,
+        eos_id=0,
+        eval_fraction=0.01,
+    )
+    rows = []
+    for name, (base, layers, features) in MODELS.items():
+        if tiny:
+            base, layers = ("moe_tiny" if "mixtral" in name else "llama_tiny"), "num_layers=2"
+            features = "" if name == "fp8" else features  # CPU has no fp8 dots
+        spec = out / "specs" / f"{name.split()[0].replace('-', '_')}.py"
+        spec.write_text(
+            SPEC.format(
+                base=base,
+                name=name.split()[0],
+                layers=layers,
+                features=features,
+                seq_len=seq_len,
+                batch=batch,
+                target=target,
+            )
+        )
+        rows += _program_rows(out, spec, name, target, build, compile_target)
+    dense = out / "specs" / "dense.py"
+    found = [o for o in search(dense, target, max_compiles=plan_compiles, log=print) if o.fits][:PLAN_TOP]
+    for rank, outcome in enumerate(found, 1):
+        rule = candidate_rule(target, outcome.candidate.fields())
+        program = out / f"plan_{rank}.py"
+        program.write_text(build(dense, target, rule).source)
+        c = outcome.candidate
+        label = f"plan #{rank}: {c.mesh_text()}, {c.microbatch}/pass, {c.remat}"
+        rows.append(_row(label, program, outcome.report, estimated=outcome.step_seconds))
+    (out / "manifest.json").write_text(json.dumps({"target": target, "rows": rows}, indent=1))
+    print(f"wrote {out}: {len(rows)} rows")
+
+
+def _program_rows(out, spec, name, target, build, compile_target) -> list[dict]:
+    source = build(spec, target).source
+    program = out / f"{spec.stem}.py"
+    program.write_text(source)
+    report = compile_target(spec, target)
+    rows = [_row(name, program, report)]
+    if KERNEL_SWITCH in source:
+        ragged = out / f"{spec.stem}_ragged_dot.py"
+        ragged.write_text(source.replace(KERNEL_SWITCH, 'GROUPED_MATMUL_IMPL = "xla"'))
+        rows = [
+            _row(f"{name}, ragged_dot", ragged, report),
+            _row(f"{name}, Mosaic GPU kernel", program, report),
+        ]
+    if name == "dense" and target.startswith("gpu"):
+        rows += [_row(f"dense, {what}", program, report, flags=flag) for what, flag in FLAGS.items()]
+    return rows
+
+
+def _row(label, program, report, flags="", estimated=None) -> dict:
+    return {
+        "label": label,
+        "program": program.name,
+        "flags": flags,
+        "aot_peak": report.peak_bytes,
+        "aot_fits": report.fits,
+        "usable": report.usable_bytes,
+        "estimated_seconds": estimated,
+    }
+
+
+def run(directory: Path, steps: int, log_every: int, only: list[str] | None, maxtext: bool) -> str:
+    """Trains every row's program and returns the markdown table."""
+    import jax
+
+    manifest = json.loads((directory / "manifest.json").read_text())
+    rows = [r for r in manifest["rows"] if not only or any(r["label"].startswith(o) for o in only)]
+    results = [_measure(directory, row, steps, log_every) for row in rows]
+    lines = [
+        f"# {manifest['target']}: measured {date.today()}",
+        "",
+        f"jax {jax.__version__} on {jax.devices()[0].device_kind} ({platform.node()}); {steps} steps each, "
+        f"logged every {log_every}; `python bench/h100.py run`.",
+        "",
+        "| program | ran | tokens/s | MFU | peak AOT | peak measured | measured / AOT | step s (plan's estimate) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row, result in zip(rows, results):
+        lines.append(_table_row(row, result))
+    lines += _plan_summary(rows, results) + (_maxtext() if maxtext else [])
+    failures = [r["label"] for r, m in zip(rows, results) if r["aot_fits"] and not m["ran"]]
+    lines += ["", f"AOT said fits but the program did not run: {', '.join(failures) or 'none'}."]
+    return "\n".join(lines) + "\n"
+
+
+def _measure(directory: Path, row: dict, steps: int, log_every: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="h100-run-") as run_dir:
+        env = dict(os.environ, XLA_FLAGS=row["flags"]) if row["flags"] else dict(os.environ)
+        argv = [sys.executable, str(directory / row["program"]), "--data", str(directory / "data")]
+        argv += ["--run-dir", run_dir, "--steps", str(steps), "--log-every", str(log_every)]
+        began = time.monotonic()
+        result = subprocess.run(argv, capture_output=True, text=True, env=env)
+        seconds = time.monotonic() - began
+        metrics = Path(run_dir) / "metrics.jsonl"
+        records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    speeds = [r for r in records if "tokens_per_second" in r][1:]
+    error = (result.stderr.strip().splitlines() or ["no message"])[-1]
+    return {
+        "ran": result.returncode == 0,
+        "error": None if result.returncode == 0 else error[:160],
+        "tokens_per_second": statistics.median(r["tokens_per_second"] for r in speeds) if speeds else None,
+        "mfu": statistics.median(r["mfu"] for r in speeds) if speeds else None,
+        "peak": max((r["memory_bytes"] for r in records if r.get("memory_bytes")), default=None),
+        "seconds": seconds,
+    }
+
+
+def _table_row(row: dict, m: dict) -> str:
+    def gib(n):
+        return f"{n / GIB:.2f} GiB" if n else "-"
+
+    ratio = f"{m['peak'] / row['aot_peak']:.2f}" if m["peak"] and row["aot_peak"] else "-"
+    ran = "yes" if m["ran"] else f"**no**: {m['error']}"
+    speed = f"{m['tokens_per_second']:.0f}" if m["tokens_per_second"] else "-"
+    mfu = f"{m['mfu']:.1%}" if m["mfu"] else "-"
+    step = "-"
+    if m["tokens_per_second"] and row["estimated_seconds"]:
+        step = f"({row['estimated_seconds']:.3g})"
+    aot = gib(row["aot_peak"]) + ("" if row["aot_fits"] else " (over)")
+    return f"| {row['label']} | {ran} | {speed} | {mfu} | {aot} | {gib(m['peak'])} | {ratio} | {step} |"
+
+
+def _plan_summary(rows: list[dict], results: list[dict]) -> list[str]:
+    measured = [
+        (row["label"], m["tokens_per_second"])
+        for row, m in zip(rows, results)
+        if row["label"].startswith("plan #") and m["tokens_per_second"]
+    ]
+    if not measured:
+        return []
+    first = next((speed for label, speed in measured if label.startswith("plan #1:")), None)
+    best_label, best = max(measured, key=lambda item: item[1])
+    verdict = f"{first / best:.1%} of the fastest ({best_label})" if first else "plan #1 did not run"
+    return ["", f"`axgen plan`'s first choice ran at {verdict}; the goal is within 10%."]
+
+
+def _maxtext() -> list[str]:
+    """MaxText on the dense model's shapes, where the machine has it (PLATFORM.md says how it was installed)."""
+    try:
+        import MaxText  # noqa: F401
+    except ImportError:
+        return ["", "MaxText: not installed on this machine; no reference ratio."]
+    config = Path(MaxText.__file__).parent / "configs" / "base.yml"
+    argv = [sys.executable, "-m", "MaxText.train", str(config), "run_name=h100", "model_name=llama2-7b"]
+    argv += ["base_num_decoder_layers=8", "per_device_batch_size=8", "max_target_length=4096"]
+    argv += ["dataset_type=synthetic", "steps=30", "remat_policy=minimal", "attention=cudnn_flash_te"]
+    with tempfile.TemporaryDirectory() as out:
+        result = subprocess.run([*argv, f"base_output_directory={out}"], capture_output=True, text=True)
+    times = [
+        float(line.split("seconds:")[1].split(",")[0])
+        for line in result.stdout.splitlines()
+        if "seconds:" in line
+    ]
+    if result.returncode or len(times) < 3:
+        return ["", f"MaxText: did not run ({(result.stderr.strip().splitlines() or ['?'])[-1][:160]})."]
+    tokens_per_second = 8 * 4096 / statistics.median(times[2:])
+    return ["", f"MaxText (remat minimal, cuDNN attention), same shapes: {tokens_per_second:.0f} tokens/s."]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("--out", type=Path, default=ROOT / "build/h100")
+    p.add_argument("--plan-compiles", type=int, default=16)
+    r = sub.add_parser("run")
+    r.add_argument("--dir", type=Path, default=ROOT / "build/h100")
+    r.add_argument("--steps", type=int, default=30)
+    r.add_argument("--log-every", type=int, default=5)
+    r.add_argument("--only", help="comma-separated row labels' beginnings, e.g. dense,mixtral")
+    r.add_argument("--maxtext", action="store_true", help="also run MaxText on the dense model's shapes")
+    r.add_argument("--out", type=Path, help="also write the table here, e.g. docs/h100.md")
+    sub.add_parser("smoke")
+    args = parser.parse_args()
+    if args.command == "prepare":
+        prepare(args.out, "gpu-h100-1", 4096, 8, tiny=False, plan_compiles=args.plan_compiles)
+    elif args.command == "run":
+        table = run(
+            args.dir, args.steps, args.log_every, args.only.split(",") if args.only else None, args.maxtext
+        )
+        print(table, end="")
+        if args.out:
+            args.out.write_text(table)
+    else:
+        with tempfile.TemporaryDirectory(prefix="h100-smoke-") as work:
+            os.environ["JAX_PLATFORMS"] = "cpu"
+            prepare(Path(work), "cpu-1", 128, 4, tiny=True, plan_compiles=3)
+            print(run(Path(work), steps=4, log_every=1, only=None, maxtext=False), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
