@@ -50,8 +50,13 @@ POLICIES = (
     "save_out_proj",
     "full",
 )
+# What each policy keeps in device memory, to compare policies by set inclusion. Offloading stages its copies on
+# the device (offload_dots needed 18.4 GiB where full remat needs about 12), so it keeps more than full remat.
 KEPT_ON_DEVICE = {
-    name: frozenset({"everything"} if not p.checkpoint else p.save) for name, p in REMAT_POLICIES.items()
+    name: frozenset(
+        {"everything"} if not p.checkpoint else p.save + (("staged copies",) if p.offload else ())
+    )
+    for name, p in REMAT_POLICIES.items()
 }
 MODEL_SPLITS = (1, 2, 4, 8)  # tensor parallelism beyond 8 leaves a host's fast links
 DATA_SPLITS = (1, 2, 4, 8)
@@ -104,11 +109,10 @@ class Search:
     target: str
     max_compiles: int
     log: Callable[[str], None]
-    estimate: Callable[[Candidate, Report], dict[str, float]]
+    estimate: Callable[[Report], dict[str, float]]
     outcomes: list[Outcome] = dataclasses.field(default_factory=list)
-    out_of_memory: dict[tuple, list[tuple[str, int]]] = dataclasses.field(
-        default_factory=dict
-    )  # mesh -> tried
+    # mesh -> the (policy, microbatch) compiles that did not fit
+    out_of_memory: dict[tuple, list[tuple[str, int]]] = dataclasses.field(default_factory=dict)
     finished: int = 0
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -120,9 +124,7 @@ class Search:
             self.outcomes.append(placeholder := Outcome(candidate, None, "compiling"))
         try:
             report = compile_target(self.spec_path, self.target, rule=candidate.fields())
-            outcome = Outcome(
-                candidate, report, seconds=self.estimate(candidate, report) if report.fits else {}
-            )
+            outcome = Outcome(candidate, report, seconds=self.estimate(report) if report.fits else {})
         except (AotError, ValueError) as err:
             outcome = Outcome(candidate, None, str(err).splitlines()[0])
         with self.lock:
@@ -146,7 +148,7 @@ def search(
     spec = load_spec(spec_path)
     plan = plan_for(spec, target)
     kernel_flops = _kernel_flops(spec_path, target)
-    state = Search(spec_path, target, max_compiles, log, lambda c, r: estimate(plan, r, kernel_flops))
+    state = Search(spec_path, target, max_compiles, log, lambda r: estimate(plan, r, kernel_flops))
     per_slice = plan.num_devices // plan.num_slices
     mesh_splits = [_full(m, per_slice) for m in meshes] if meshes else _meshes(spec, plan)
     policies = [p for p in POLICIES if p != "offload_dots" or "host_offload" in plan.chip.capabilities]
@@ -168,8 +170,10 @@ def search(
 
 
 def ranked(outcomes: list[Outcome]) -> list[Outcome]:
+    # Ties (the slowest resource the same) go to the candidate that asks least of the others, then recomputes least.
     fitting = sorted(
-        (o for o in outcomes if o.fits), key=lambda o: (o.step_seconds, POLICIES.index(o.candidate.remat))
+        (o for o in outcomes if o.fits),
+        key=lambda o: (o.step_seconds, sum(o.seconds.values()), POLICIES.index(o.candidate.remat)),
     )
     return fitting + [o for o in outcomes if not o.fits and o.failure != "compiling"]
 

@@ -108,7 +108,8 @@ def prepare(out: Path, target: str, seq_len: int, batch: int, tiny: bool, plan_c
         c = outcome.candidate
         label = f"plan #{rank}: {c.mesh_text()}, {c.microbatch}/pass, {c.remat}"
         rows.append(_row(label, program, outcome.report, estimated=outcome.step_seconds))
-    (out / "manifest.json").write_text(json.dumps({"target": target, "rows": rows}, indent=1))
+    manifest = {"target": target, "tokens_per_step": seq_len * batch, "rows": rows}
+    (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     print(f"wrote {out}: {len(rows)} rows")
 
 
@@ -159,7 +160,7 @@ def run(directory: Path, steps: int, log_every: int, only: list[str] | None, max
         "|---|---|---|---|---|---|---|---|",
     ]
     for row, result in zip(rows, results):
-        lines.append(_table_row(row, result))
+        lines.append(_table_row(row, result, manifest["tokens_per_step"]))
     lines += _plan_summary(rows, results) + (_maxtext() if maxtext else [])
     failures = [r["label"] for r, m in zip(rows, results) if r["aot_fits"] and not m["ran"]]
     lines += ["", f"AOT said fits but the program did not run: {', '.join(failures) or 'none'}."]
@@ -188,7 +189,7 @@ def _measure(directory: Path, row: dict, steps: int, log_every: int) -> dict:
     }
 
 
-def _table_row(row: dict, m: dict) -> str:
+def _table_row(row: dict, m: dict, tokens_per_step: int) -> str:
     def gib(n):
         return f"{n / GIB:.2f} GiB" if n else "-"
 
@@ -196,9 +197,9 @@ def _table_row(row: dict, m: dict) -> str:
     ran = "yes" if m["ran"] else f"**no**: {m['error']}"
     speed = f"{m['tokens_per_second']:.0f}" if m["tokens_per_second"] else "-"
     mfu = f"{m['mfu']:.1%}" if m["mfu"] else "-"
-    step = "-"
-    if m["tokens_per_second"] and row["estimated_seconds"]:
-        step = f"({row['estimated_seconds']:.3g})"
+    step = f"{tokens_per_step / m['tokens_per_second']:.3g}" if m["tokens_per_second"] else "-"
+    if row["estimated_seconds"]:
+        step += f" ({row['estimated_seconds']:.3g})"
     aot = gib(row["aot_peak"]) + ("" if row["aot_fits"] else " (over)")
     return f"| {row['label']} | {ran} | {speed} | {mfu} | {aot} | {gib(m['peak'])} | {ratio} | {step} |"
 

@@ -77,8 +77,9 @@ def test_a_second_plan_replaces_the_rule_the_first_wrote_and_derived_specs_keep_
 
 
 def test_a_policy_is_not_compiled_where_one_keeping_no_more_already_did_not_fit():
-    """offload_dots keeps nothing on the device, as full remat does: where it did not fit, full will not."""
-    fits_at = {"offload_dots": 0, "full": 0, "save_dots": 2}  # the largest microbatch each fits at
+    """Full remat keeps only each layer's input: where it did not fit, save_dots and offload_dots (which stages
+    its copies on the device) will not either. The reverse does not hold."""
+    fits_at = {"full": 4, "save_dots": 2, "offload_dots": 2}  # the largest microbatch each fits at
     compiled = []
 
     def compile_candidate(candidate):
@@ -90,11 +91,16 @@ def test_a_policy_is_not_compiled_where_one_keeping_no_more_already_did_not_fit(
     spec = load_spec(ROOT / "specs/llama_tiny.py")
     plan = plan_for(spec, "cpu-1")  # 16 sequences on one device
     mesh = planning._full({"fsdp": 1}, 1)
-    for policy in ("save_dots", "offload_dots", "full"):
+    for policy in ("full", "save_dots", "offload_dots"):
         planning._frontier(state, spec, plan, mesh, policy, None)
-    assert compiled == [("save_dots", 16), ("save_dots", 8), ("save_dots", 4), ("save_dots", 2)] + [
-        ("offload_dots", m) for m in (16, 8, 4, 2, 1)
-    ]
+    full = [("full", 16), ("full", 8), ("full", 4)]
+    assert compiled == full + [("save_dots", 4), ("save_dots", 2), ("offload_dots", 4), ("offload_dots", 2)]
+
+    compiled.clear()
+    state.out_of_memory.clear()
+    for policy in ("offload_dots", "full"):
+        planning._frontier(state, spec, plan, mesh, policy, None)
+    assert compiled == [("offload_dots", m) for m in (16, 8, 4, 2)] + full
 
 
 def test_plan_inputs_are_one_line(capsys, tmp_path):
