@@ -242,11 +242,12 @@ def _kernel_flops(spec_path: Path, target: str) -> float:
     """Per device per step: the model's FLOPs in attention kernels and MoE grouped matmuls, which the HLO's dots
     leave out (their recomputation under remat is not counted)."""
     built = build(spec_path, target)
-    graph, train = built.graph, built.spec.train
-    in_kernels = [
-        n for n in graph.nodes() if n.op == "moe" or (n.op == "attention" and n.attrs.kernel != "xla")
-    ]
-    per_token = sum(cost._flops(graph, n, train.seq_len) * cost._repeat(graph, n) for n in in_kernels)
+    train = built.spec.train
+
+    def in_kernel(node) -> bool:
+        return node.op == "moe" or (node.op == "attention" and node.attrs.kernel != "xla")
+
+    per_token = cost.flops_per_token(built.graph, train.seq_len, in_kernel)
     return per_token * train.global_batch * train.seq_len / built.plan.num_devices
 
 

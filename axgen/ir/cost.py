@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from axgen.ir.graph import Graph, Node
 from axgen.ir.ops import OPS, trained_size
 
@@ -11,10 +13,11 @@ def num_params(graph: Graph) -> int:
     return sum(_repeat(graph, node) * trained_size(node.params) for node in graph.nodes())
 
 
-def flops_per_token(graph: Graph, seq_len: int) -> int:
+def flops_per_token(graph: Graph, seq_len: int, where: Callable[[Node], bool] = lambda node: True) -> int:
     """Training FLOPs per token, each op's by its own rule (ops.py): 6 per multiply-add of the weights a token uses,
-    plus attention as in the PaLM paper's appendix B. The input embedding is a gather and costs nothing."""
-    return round(sum(_repeat(graph, node) * _flops(graph, node, seq_len) for node in graph.nodes()))
+    plus attention as in the PaLM paper's appendix B. The input embedding is a gather and costs nothing. `where`
+    picks the nodes counted."""
+    return round(sum(_repeat(graph, n) * _flops(graph, n, seq_len) for n in graph.nodes() if where(n)))
 
 
 def _flops(graph: Graph, node: Node, seq_len: int) -> float:
