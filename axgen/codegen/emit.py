@@ -8,6 +8,7 @@ failure there is a compiler bug and names the template.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 
 import black
@@ -38,7 +39,9 @@ class EmitError(RuntimeError):
     pass
 
 
+@functools.cache
 def _environment() -> jinja2.Environment:
+    """One environment per process, so each template compiles once (it reloads when its file changes)."""
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATES),
         undefined=jinja2.StrictUndefined,
