@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from pathlib import Path
 
 import black
@@ -42,13 +43,20 @@ class EmitError(RuntimeError):
 @functools.cache
 def _environment() -> jinja2.Environment:
     """One environment per process, so each template compiles once (it reloads when its file changes)."""
-    return jinja2.Environment(
+    env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATES),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
         keep_trailing_newline=True,
     )
+    env.tests["stdlib_import"] = _is_stdlib_import
+    return env
+
+
+def _is_stdlib_import(line: str) -> bool:
+    """`import x.y` or `from x.y import z` of a standard-library module."""
+    return line.split()[1].split(".")[0] in sys.stdlib_module_names
 
 
 def emit(graph: Graph, plan: Plan, spec: Model, passes: list, spec_path: str, output_name: str) -> str:
@@ -68,7 +76,6 @@ def _context(env, graph, plan, spec, passes, spec_path, output_name) -> dict:
     nodes = list(graph.nodes())
     groups = [_group(scan) for scan in graph.nodes(op="scan") if scan.attrs.groups(scan.attrs.calls)]
     remat = _remat(graph)
-    quantized = any(getattr(n.attrs, "quantize", None) for n in nodes)
     return {
         "version": axgen.__version__,
         "spec": spec,
@@ -96,11 +103,7 @@ def _context(env, graph, plan, spec, passes, spec_path, output_name) -> dict:
         "remat": remat,
         "logical_axis_rules": list(graph.attrs["logical_axis_rules"].items()),
         "memory_fraction": graph.attrs.get("memory_fraction"),
-        "uses_checkpoint_name": any(getattr(n.attrs, "checkpoint_name", None) for n in nodes),
-        "uses_functools": bool(remat or quantized),
-        "uses_mosaic_gpu": any(n.attrs.grouped_matmul == "mosaic_gpu" for n in graph.nodes(op="moe")),
-        "uses_megablox": any(n.attrs.grouped_matmul == "megablox_gmm" for n in graph.nodes(op="moe")),
-        "uses_splash": any(n.attrs.kernel == "splash" for n in graph.nodes(op="attention")),
+        "op_imports": _op_imports(env, nodes),
     }
 
 
@@ -211,13 +214,26 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
-def _helpers(env, nodes: list[Node]) -> list[str]:
-    """Each op template's helper functions, given the nodes it prints, in template order."""
+def _by_template(env, nodes: list[Node]) -> list[tuple]:
+    """Each op template's module with the nodes it prints, in template order."""
     by_template: dict[str, list[Node]] = {}
     for node in nodes:
         by_template.setdefault(OPS[node.op].template, []).append(node)
-    helpers = [env.get_template(f"ops/{t}.j2").module.helpers(by_template[t]) for t in sorted(by_template)]
+    return [(env.get_template(f"ops/{t}.j2").module, by_template[t]) for t in sorted(by_template)]
+
+
+def _helpers(env, nodes: list[Node]) -> list[str]:
+    """Each op template's helper functions, given the nodes it prints, in template order."""
+    helpers = [module.helpers(ops) for module, ops in _by_template(env, nodes)]
     return [h.strip("\n") + "\n\n" for h in helpers if h.strip()]
+
+
+def _op_imports(env, nodes: list[Node]) -> list[str]:
+    """The import lines the op templates' optional `imports` macros ask for the nodes they print."""
+    declared = [
+        str(module.imports(ops)) for module, ops in _by_template(env, nodes) if hasattr(module, "imports")
+    ]
+    return [line.strip() for text in declared for line in text.splitlines() if line.strip()]
 
 
 def _block(env, graph: Graph, region) -> dict:
