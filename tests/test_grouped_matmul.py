@@ -47,7 +47,7 @@ def test_h100_programs_use_mosaic_gpu_tpu_programs_megablox_and_cpu_programs_rag
     assert (
         "from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu" in mixtral
     )
-    assert "hidden = expert_mlp(rows, gate, grouped_matmul(rows, w_up, group_sizes))" in mixtral
+    assert 'up = checkpoint_name(grouped_matmul(rows, w_up, group_sizes), "mlp_in")' in mixtral
     tpu = build(MIXTRAL, "tpu-v5p-256").source
     assert "experts by megablox_gmm" in tpu.splitlines()[4] and "ragged_dot_mgpu" not in tpu
     assert '"tm": 512, "tk": 1024, "tn": 1024' in tpu
@@ -129,22 +129,44 @@ def test_kernel_and_its_gradients_equal_ragged_dot_with_empty_groups_and_rows_af
     assert np.abs(kernel[1][0][171:]).max() == 0 and np.abs(kernel[1][1][1]).max() == 0
 
 
+@pytest.mark.parametrize(
+    "path, kernel, interpreted",
+    [
+        (PROGRAM, "mosaic_gpu", "kernels_interpreted"),
+        (TPU_PROGRAM, "megablox_gmm", "tpu_kernels_interpreted"),
+    ],
+    ids=["h100", "tpu"],
+)
 def test_the_programs_experts_give_ragged_dots_loss_and_gradients_through_the_kernel(
-    program, kernels_interpreted
+    path, kernel, interpreted, request
 ):
+    request.getfixturevalue(interpreted)
+    program = load_program(path)
     params = jax.tree.map(
         lambda w: w.astype(jnp.bfloat16), program.init_params(jax.random.key(0))["moe_layers"]
     )
     layer = jax.tree.map(lambda w: w[0], params)
     x = jax.random.normal(jax.random.key(1), (2, 16, 128), jnp.bfloat16)
     logits = jax.random.normal(jax.random.key(2), (2, 16, 4), jnp.float32)
+    calls = []
+    grouped_matmul = program.grouped_matmul
+
+    def counted(*args):
+        calls.append(program.GROUPED_MATMUL_IMPL)
+        return grouped_matmul(*args)
 
     def loss(x, w_gate, w_up, w_down, logits):
         out, aux = program.moe_dropless_on_device(x, logits, w_gate, w_up, w_down, top_k=2)
         return jnp.sum(out.astype(jnp.float32) ** 2) + aux["load_balance_loss"]
 
     args = (x, layer["w_gate"], layer["w_up"], layer["w_down"], logits)
-    _assert_close(_grads(program, "mosaic_gpu", loss, *args), _grads(program, "xla", loss, *args))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(program, "grouped_matmul", counted)
+        through_kernel = _grads(program, kernel, loss, *args)
+    assert (
+        calls == [kernel] * 3
+    ), "each of the experts' three products goes through the program's grouped matmul"
+    _assert_close(through_kernel, _grads(program, "xla", loss, *args))
 
 
 @pytest.fixture

@@ -153,15 +153,32 @@ def test_moe_program_trains_on_eight_devices_and_logs_its_auxiliary_losses(corpu
     ), last
 
 
+def tpu_program(tmp_path):
+    """moe_tiny as a TPU program: its experts' shard_map runs unchecked for megablox (check_vma=False); the
+    kernel itself gives way to XLA's ragged_dot here on CPU."""
+    source = build(MOE_TINY, "tpu-v5e-8").source
+    assert "check_vma=False" in source and "megablox.gmm(" in source
+    out = tmp_path / "moe_tiny_tpu_v5e_8.py"
+    write_atomically(out, source)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("AXGEN_XLA_KERNELS", "1")
+        program = load_program(out)
+    program.COMPUTE_DTYPE = jnp.float32  # as the CPU program computes, so both meet the same tolerance
+    return program
+
+
 @pytest.mark.parametrize(
-    "mesh_shape",
-    [(2, 1, 2, 2), (1, 2, 2, 2), (1, 8, 1, 1)],
-    ids=["data_expert_model", "fsdp_expert_model", "fsdp"],
+    "target, mesh_shape",
+    [("cpu-8", (2, 1, 2, 2)), ("cpu-8", (1, 2, 2, 2)), ("cpu-8", (1, 8, 1, 1)), ("tpu-v5e-8", (2, 1, 2, 2))],
+    ids=["data_expert_model", "fsdp_expert_model", "fsdp", "tpu_unchecked_data_expert_model"],
 )
-def test_sharded_moe_equals_one_device_in_loss_auxiliary_losses_and_gradients(mesh_shape):
+def test_sharded_moe_equals_one_device_in_loss_auxiliary_losses_and_gradients(target, mesh_shape, tmp_path):
     """Each device routes its own tokens (with expert parallelism, its expert group's): the loss, the auxiliary
     losses (means over the whole batch, not one device's rows) and every gradient equal the one-device run."""
-    program = load_program(ROOT / "generated/moe_tiny/cpu_8.py")
+    if target == "cpu-8":
+        program = load_program(ROOT / "generated/moe_tiny/cpu_8.py")
+    else:
+        program = tpu_program(tmp_path)
     params = program.init_params(jax.random.key(1))
     tokens = jax.random.randint(jax.random.key(2), (8, 17), 0, 256)
     grad_fn = jax.value_and_grad(program.loss_fn, has_aux=True)

@@ -15,14 +15,19 @@ from axgen.spec import REMAT_POLICIES, SpecError
 from tests.conftest import ROOT
 
 
-def remat_program(tmp_path, policy, target="cpu-1"):
-    path = tmp_path / f"remat_{policy}.py"
-    path.write_text(
-        "from specs.llama_tiny import spec as tiny\n"
-        "from axgen.spec import features as F\n"
-        f"spec = tiny.replace(features=[*tiny.features, F.remat(policy={policy!r})])\n"
+def remat_program(tmp_path, policy, target="cpu-1", base="llama_tiny", moe_capacity=None):
+    path = tmp_path / f"remat_{policy}_{base}_{moe_capacity}.py"
+    features = (
+        "*tiny.features"
+        if moe_capacity is None
+        else (f"*tiny.features[:-1], tiny.feature('moe').replace(capacity_factor={moe_capacity})")
     )
-    out = tmp_path / f"remat_{policy}_{target.replace('-', '_')}.py"
+    path.write_text(
+        f"from specs.{base} import spec as tiny\n"
+        "from axgen.spec import features as F\n"
+        f"spec = tiny.replace(features=[{features}, F.remat(policy={policy!r})])\n"
+    )
+    out = tmp_path / f"{path.stem}_{target.replace('-', '_')}.py"
     write_atomically(out, build(path, target).source)
     return load_program(out)
 
@@ -100,7 +105,30 @@ def test_backend_default_applies_and_the_spec_overrides_it(tmp_path):
 def test_cpu_refuses_host_offload(tmp_path):
     with pytest.raises(
         SpecError,
-        match=r"remat_offload_dots.py:3: remat\(policy=offload_dots\) needs host_offload, "
+        match=r"remat_offload_dots_llama_tiny_None.py:3: remat\(policy=offload_dots\) needs host_offload, "
         r"which target cpu-8 \(host CPU core\) does not have \(it has int8\)",
     ):
         remat_program(tmp_path, "offload_dots", "cpu-8")
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 2.0], ids=["dropless", "capacity"])
+def test_policies_save_or_recompute_the_experts_products_as_they_do_a_dense_mlp(tmp_path, capacity_factor):
+    programs = {
+        policy: remat_program(tmp_path, policy, base="moe_tiny", moe_capacity=capacity_factor)
+        for policy in ("none", "save_dots", "save_dots_except_mlp")
+    }
+    params = programs["none"].init_params(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 256)
+    # The MoE layers' expert products, stacked over their 2 layers: [layers, rows, hidden or embed], rows being
+    # the batch's tokens x top_k without capacity, [layers, batch, experts, slots, ...] with it.
+    rows = "2,64" if capacity_factor is None else "2,2,4,16"
+    products = [f"f32[{rows},384]", f"f32[{rows},384]", f"f32[{rows},128]"]
+    saved = {policy: residuals(program, params, tokens) for policy, program in programs.items()}
+    assert [shape for shape in products if f"{shape} output of scan" in saved["save_dots"]] == products
+    assert not any(f"{shape} output of scan" in saved["save_dots_except_mlp"] for shape in products)
+    expected = jax.grad(programs["none"].loss_fn, has_aux=True)(params, tokens)[0]
+    got = jax.grad(programs["save_dots"].loss_fn, has_aux=True)(params, tokens)[0]
+    for (path, g), want in zip(
+        jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(expected), strict=True
+    ):
+        np.testing.assert_allclose(g, want, rtol=1e-5, atol=1e-7, err_msg=str(path))

@@ -80,7 +80,8 @@ def grouped_matmul(g: Graph, plan: Plan) -> None:
 
 def remat(g: Graph, plan: Plan) -> None:
     """Each block's policy: the spec's, else the target's default. Under a policy, every projection's output gets
-    its role as its checkpoint name, which the policy saves, offloads or recomputes by."""
+    its role as its checkpoint name, the experts' products too, which the policy saves, offloads or recomputes by.
+    """
     for region in g.blocks():
         if "remat" not in region.attrs and plan.remat is not None:
             g.set_region_attrs(
@@ -91,6 +92,8 @@ def remat(g: Graph, plan: Plan) -> None:
         for node in g.nodes(op="linear", region=region.name):
             if node.attrs.role:
                 g.update(node, checkpoint_name=node.attrs.role)
+        for node in g.nodes(op="moe", region=region.name):
+            g.update(node, checkpointed=True)
 
 
 def scan_grouping(g: Graph, plan: Plan) -> None:

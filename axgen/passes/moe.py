@@ -25,6 +25,10 @@ class MoEAttrs(Attrs):
     grouped_matmul: str = "ragged_dot"
     tiles: tuple[tuple[str, int], ...] = ()
     grouped_matmul_why: str | None = None
+    # The experts' products by the projection roles remat policies name (DotAttrs.role): under a policy, the remat
+    # lowering sets `checkpointed`, and each product's output carries its role as its checkpoint name.
+    roles: tuple[str, str] = ("mlp_in", "mlp_out")
+    checkpointed: bool = False
 
 
 def _moe(ins, attrs, params):

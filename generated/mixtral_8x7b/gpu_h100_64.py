@@ -329,9 +329,10 @@ def moe_dropless_on_device(
     token_of_row = order // top_k
     rows = tokens[token_of_row]
     group_sizes = jnp.bincount(experts, length=num_experts_here)
-    gate = None if w_gate is None else grouped_matmul(rows, w_gate, group_sizes)
-    hidden = expert_mlp(rows, gate, grouped_matmul(rows, w_up, group_sizes))
-    out = grouped_matmul(hidden, w_down, group_sizes) * weights[order, None].astype(x.dtype)
+    gate = None if w_gate is None else checkpoint_name(grouped_matmul(rows, w_gate, group_sizes), "mlp_in")
+    up = checkpoint_name(grouped_matmul(rows, w_up, group_sizes), "mlp_in")
+    down = checkpoint_name(grouped_matmul(expert_mlp(rows, gate, up), w_down, group_sizes), "mlp_out")
+    out = down * weights[order, None].astype(x.dtype)
     out = jnp.zeros_like(tokens).at[token_of_row].add(jnp.where(here[order, None], out, 0))
     if mlp_axes:
         out = jax.lax.psum(out, mlp_axes)

@@ -324,8 +324,14 @@ def moe_dropless(x, router_logits, w_gate, w_up, w_down, top_k):
         return moe_dropless_on_device(x, router_logits, w_gate, w_up, w_down, top_k, batch, expert, mlp)
 
     rows, w_in, w_out = P(batch), P(expert, None, mlp), P(expert, mlp, None)
+    # megablox's kernel declares its outputs without the mesh axes they vary over, which check_vma refuses.
+    # Unchecked, the values and gradients are the same; the backward may sum a cotangent once more (JEP 17111).
     return jax.shard_map(
-        on_device, mesh=mesh, in_specs=(rows, rows, w_in, w_in, w_out), out_specs=(rows, P())
+        on_device,
+        mesh=mesh,
+        in_specs=(rows, rows, w_in, w_in, w_out),
+        out_specs=(rows, P()),
+        check_vma=False,
     )(x, router_logits, w_gate, w_up, w_down)
 
 
@@ -353,9 +359,10 @@ def moe_dropless_on_device(
     token_of_row = order // top_k
     rows = tokens[token_of_row]
     group_sizes = jnp.bincount(experts, length=num_experts_here)
-    gate = None if w_gate is None else jax.lax.ragged_dot(rows, w_gate, group_sizes)
-    hidden = expert_mlp(rows, gate, jax.lax.ragged_dot(rows, w_up, group_sizes))
-    out = jax.lax.ragged_dot(hidden, w_down, group_sizes) * weights[order, None].astype(x.dtype)
+    gate = None if w_gate is None else checkpoint_name(grouped_matmul(rows, w_gate, group_sizes), "mlp_in")
+    up = checkpoint_name(grouped_matmul(rows, w_up, group_sizes), "mlp_in")
+    down = checkpoint_name(grouped_matmul(expert_mlp(rows, gate, up), w_down, group_sizes), "mlp_out")
+    out = down * weights[order, None].astype(x.dtype)
     out = jnp.zeros_like(tokens).at[token_of_row].add(jnp.where(here[order, None], out, 0))
     if mlp_axes:
         out = jax.lax.psum(out, mlp_axes)

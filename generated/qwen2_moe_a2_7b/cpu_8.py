@@ -278,8 +278,9 @@ def moe_dropless_on_device(
     rows = tokens[token_of_row]
     group_sizes = jnp.bincount(experts, length=num_experts_here)
     gate = None if w_gate is None else jax.lax.ragged_dot(rows, w_gate, group_sizes)
-    hidden = expert_mlp(rows, gate, jax.lax.ragged_dot(rows, w_up, group_sizes))
-    out = jax.lax.ragged_dot(hidden, w_down, group_sizes) * weights[order, None].astype(x.dtype)
+    up = jax.lax.ragged_dot(rows, w_up, group_sizes)
+    down = jax.lax.ragged_dot(expert_mlp(rows, gate, up), w_down, group_sizes)
+    out = down * weights[order, None].astype(x.dtype)
     out = jnp.zeros_like(tokens).at[token_of_row].add(jnp.where(here[order, None], out, 0))
     if mlp_axes:
         out = jax.lax.psum(out, mlp_axes)
