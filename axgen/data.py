@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from axgen.files import staging_dir
+from axgen.files import check_replaceable, staging_dir
 
 if TYPE_CHECKING:
     from axgen.tokenizer import LoadedTokenizer
@@ -291,7 +291,7 @@ def write_dataset(
     `overwrite`, and only when it is a dataset (or empty)."""
     out_dir = Path(out_dir)
     _check_settings(vocab_size, bos_id, eos_id, eval_fraction, shard_tokens)
-    _check_replaceable(out_dir, overwrite)
+    check_replaceable(out_dir, overwrite, MANIFEST)
     staging = staging_dir(out_dir)
     try:
         token_dtype = np.uint16 if vocab_size <= UINT16_VOCAB else np.uint32
@@ -334,15 +334,6 @@ def _check_settings(
         raise DataError(f"eval_fraction {eval_fraction}: must be at least 0 and below 1")
     if shard_tokens < 1:
         raise DataError(f"shard_tokens {shard_tokens}: must be positive")
-
-
-def _check_replaceable(out_dir: Path, overwrite: bool) -> None:
-    if not (out_dir.exists() or out_dir.is_symlink()):
-        return
-    if not overwrite:
-        raise DataError(f"{out_dir}: already exists (--force replaces it)")
-    if not out_dir.is_dir() or not ((out_dir / MANIFEST).is_file() or not any(out_dir.iterdir())):
-        raise DataError(f"{out_dir}: exists and is not a dataset; not replacing it")
 
 
 def _distribute(documents: Iterable[np.ndarray], splits: dict, eval_fraction: float, seed: int) -> None:

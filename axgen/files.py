@@ -50,6 +50,17 @@ def _check_parent(path: Path) -> None:
         raise OutputError(f"{path}: cannot write: {ancestor} is not writable")
 
 
+def check_replaceable(out: Path, overwrite: bool, marker: str) -> None:
+    """An existing output folder is replaced only when asked and only when it holds `marker` (or nothing): a
+    mistyped --out never deletes somebody's other files."""
+    if not (out.exists() or out.is_symlink()):
+        return
+    if not overwrite:
+        raise OutputError(f"{out}: already exists (pass --force to replace it)")
+    if not out.is_dir() or (any(out.iterdir()) and not (out / marker).exists()):
+        raise OutputError(f"{out}: exists and has no {marker}, so --force will not replace it")
+
+
 def write_atomically(path: Path, content: str | bytes) -> None:
     """Writes `content` (text as UTF-8) to `path` through a temporary sibling; an OSError becomes an
     OutputError and leaves `path` as it was."""

@@ -17,9 +17,9 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from axgen.files import staging_dir
+from axgen.files import check_replaceable, staging_dir
 from axgen.hf_weights import DTYPES
-from axgen.interop import CheckpointError, check_replaceable, host_jax, iter_hf_tensors
+from axgen.interop import CheckpointError, host_jax, iter_hf_tensors
 from axgen.spec import Model
 
 ARCHITECTURES = {

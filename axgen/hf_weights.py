@@ -17,8 +17,8 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from axgen.files import staging_dir
-from axgen.interop import CheckpointError, check_replaceable, hf_layout, hf_names, hf_to_params, host_jax
+from axgen.files import check_replaceable, staging_dir
+from axgen.interop import CheckpointError, hf_layout, hf_names, hf_to_params, host_jax
 from axgen.spec import Model
 
 INDEX = "model.safetensors.index.json"

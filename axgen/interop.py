@@ -48,17 +48,6 @@ class CheckpointError(ValueError):
     """One line naming the tensor (and file) of a checkpoint that does not fit the spec."""
 
 
-def check_replaceable(out: Path, overwrite: bool, marker: str) -> None:
-    """An existing output is replaced only when asked and only when it holds `marker` (or nothing): a mistyped
-    --out never deletes somebody's other files."""
-    if not out.exists():
-        return
-    if not overwrite:
-        raise CheckpointError(f"{out}: already exists (pass --force to replace it)")
-    if not out.is_dir() or (any(out.iterdir()) and not (out / marker).exists()):
-        raise CheckpointError(f"{out}: exists and has no {marker}, so --force will not replace it")
-
-
 def hf_to_params(state_dict, spec: Model, dtype=np.float32) -> dict:
     """A Hugging Face state dict (name -> array, or a .safetensors path) as the emitted program's params.
 

@@ -14,6 +14,7 @@ import axgen.data
 from axgen.cli import main
 from axgen.corpus import MODULES, write_corpus
 from axgen.data import DataError, read_manifest, write_dataset
+from axgen.files import OutputError
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -175,13 +176,13 @@ def test_an_empty_train_split_and_out_of_vocabulary_ids_are_errors(tmp_path):
 def test_an_existing_directory_is_replaced_only_when_asked_and_only_if_it_is_a_dataset(tmp_path):
     out = tmp_path / "ds"
     write_dataset(out, [np.array([1])], vocab_size=10, bos_id=None, eos_id=9, eval_fraction=0)
-    with pytest.raises(DataError, match="already exists"):
+    with pytest.raises(OutputError, match="already exists"):
         write_dataset(out, [np.array([2])], vocab_size=10, bos_id=None, eos_id=9, eval_fraction=0)
     write_dataset(out, [np.array([3])], vocab_size=10, bos_id=None, eos_id=9, eval_fraction=0, overwrite=True)
     assert [list(d) for d in documents_of(out, "train")] == [[3, 9]]
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "keep.txt").write_text("mine")
-    with pytest.raises(DataError, match="not a dataset; not replacing it"):
+    with pytest.raises(OutputError, match="has no manifest.json, so --force will not replace it"):
         write_dataset(
             tmp_path / "notes", [np.array([3])], vocab_size=10, bos_id=None, eos_id=9, overwrite=True
         )
@@ -459,7 +460,7 @@ def test_an_existing_output_is_refused_without_force(tmp_path, capsys, tokenizer
     assert data(capsys, tokenizer_file, tmp_path / "ds", tmp_path / "in.txt")[0] == 0
     (tmp_path / "in.txt").write_text("second")
     again = ["data", tmp_path / "in.txt", "--tokenizer", tokenizer_file, "--out", tmp_path / "ds"]
-    assert error_of(capsys, *again) == f"{tmp_path / 'ds'}: already exists (--force replaces it)"
+    assert error_of(capsys, *again) == f"{tmp_path / 'ds'}: already exists (pass --force to replace it)"
     assert decoded_documents(tmp_path / "ds", tokenizer_file) == ["first"]
     assert data(capsys, tokenizer_file, tmp_path / "ds", tmp_path / "in.txt", "--force")[0] == 0
     assert decoded_documents(tmp_path / "ds", tokenizer_file) == ["second"]
