@@ -1,5 +1,7 @@
 """IR dumps before/after passes, emitted programs, determinism, and what a spec without a feature leaves out."""
 
+import ast
+
 import pytest
 
 from axgen.build import build, default_output, lowered
@@ -93,6 +95,28 @@ def test_emitted_files_import_only_the_allowed_libraries():
                 if isinstance(small, cst.ImportFrom):
                     imported.add(cst.Module([]).code_for_node(small.module).split(".")[0])
         assert imported <= allowed, (path, imported - allowed)
+
+
+def test_every_name_a_program_imports_or_defines_is_used_in_it():
+    """A helper, switch or import that nothing reads means a template printed a path the program never takes (a
+    kernel defined but not called). `forward` is the exception: the programs' API for those who import them.
+    """
+    for path in sorted((ROOT / "generated").glob("*/*.py")):
+        tree = ast.parse(path.read_text())
+        defined = set()
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, ast.Assign):
+                defined |= {target.id for target in node.targets if isinstance(target, ast.Name)}
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                defined |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        read = {
+            node.id
+            for node in ast.walk(tree)
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)
+        }
+        assert defined - read == {"forward"}, (path, sorted(defined - read - {"forward"}))
 
 
 def test_unknown_feature_is_a_clear_error(tmp_path):

@@ -87,9 +87,6 @@ LIBTPU_INIT_ARGS = [
     "--xla_tpu_overlap_compute_collective_tc=true",
     "--xla_enable_async_all_gather=true",
 ]  # before jax starts; $LIBTPU_INIT_ARGS goes after them and wins
-# The one switch for tests: AXGEN_XLA_KERNELS=1 swaps the splash kernel for the XLA path so this
-# program runs on CPU; nothing else differs.
-ATTENTION_IMPL = "xla" if os.environ.get("AXGEN_XLA_KERNELS") == "1" else "splash"
 SPLASH_BLOCK = 128  # query and key/value block length of the splash kernel
 
 # Logical axis -> mesh axes. Every sharding in this file comes from this table.
@@ -220,6 +217,10 @@ def param_shardings(mesh):
 
 
 # --- model ---------------------------------------------------------------------------------------------------
+
+# The one switch for tests: AXGEN_XLA_KERNELS=1 swaps the splash kernel for the XLA path so this
+# program runs on CPU; nothing else differs.
+ATTENTION_IMPL = "xla" if os.environ.get("AXGEN_XLA_KERNELS") == "1" else "splash"
 
 
 def document_mask(segment_ids):

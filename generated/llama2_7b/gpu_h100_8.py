@@ -84,9 +84,6 @@ XLA_FLAGS = [
 ]  # before jax starts; $XLA_FLAGS goes after them and wins
 # 2 sequences per device per forward and backward pass; gradients add up over the passes.
 GRAD_ACCUM_STEPS = 64
-# The one switch for tests: AXGEN_XLA_KERNELS=1 swaps the cudnn kernel for the XLA path so this
-# program runs on CPU; nothing else differs.
-ATTENTION_IMPL = "xla" if os.environ.get("AXGEN_XLA_KERNELS") == "1" else "cudnn"
 
 # Logical axis -> mesh axes. Every sharding in this file comes from this table.
 LOGICAL_AXIS_RULES = {
@@ -185,6 +182,10 @@ def param_shardings(mesh):
 
 
 # --- model ---------------------------------------------------------------------------------------------------
+
+# The one switch for tests: AXGEN_XLA_KERNELS=1 swaps the cudnn kernel for the XLA path so this
+# program runs on CPU; nothing else differs.
+ATTENTION_IMPL = "xla" if os.environ.get("AXGEN_XLA_KERNELS") == "1" else "cudnn"
 
 
 def document_mask(segment_ids):

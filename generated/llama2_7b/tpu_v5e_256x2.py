@@ -91,9 +91,6 @@ LIBTPU_INIT_ARGS = [
 ]  # before jax starts; $LIBTPU_INIT_ARGS goes after them and wins
 # 1 sequence per device per forward and backward pass; gradients add up over the passes.
 GRAD_ACCUM_STEPS = 2
-# The one switch for tests: AXGEN_XLA_KERNELS=1 swaps the splash kernel for the XLA path so this
-# program runs on CPU; nothing else differs.
-ATTENTION_IMPL = "xla" if os.environ.get("AXGEN_XLA_KERNELS") == "1" else "splash"
 SPLASH_BLOCK = 512  # query and key/value block length of the splash kernel
 
 # Logical axis -> mesh axes. Every sharding in this file comes from this table.
@@ -193,6 +190,10 @@ def param_shardings(mesh):
 
 
 # --- model ---------------------------------------------------------------------------------------------------
+
+# The one switch for tests: AXGEN_XLA_KERNELS=1 swaps the splash kernel for the XLA path so this
+# program runs on CPU; nothing else differs.
+ATTENTION_IMPL = "xla" if os.environ.get("AXGEN_XLA_KERNELS") == "1" else "splash"
 
 
 def document_mask(segment_ids):

@@ -81,7 +81,6 @@ PLATFORM = "neuron"  # jax's platform, unless JAX_PLATFORMS says otherwise
 XLA_FLAGS = []  # before jax starts; $XLA_FLAGS goes after them and wins
 # 2 sequences per device per forward and backward pass; gradients add up over the passes.
 GRAD_ACCUM_STEPS = 16
-ATTENTION_IMPL = "xla"
 
 # Logical axis -> mesh axes. Every sharding in this file comes from this table.
 LOGICAL_AXIS_RULES = {
@@ -180,6 +179,8 @@ def param_shardings(mesh):
 
 
 # --- model ---------------------------------------------------------------------------------------------------
+
+ATTENTION_IMPL = "xla"
 
 
 def document_mask(segment_ids):

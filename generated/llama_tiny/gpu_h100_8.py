@@ -82,9 +82,6 @@ MEMORY_FRACTION = 0.95  # of each device's memory for jax's allocator, as `axgen
 XLA_FLAGS = [
     "--xla_gpu_enable_latency_hiding_scheduler=true"
 ]  # before jax starts; $XLA_FLAGS goes after them and wins
-# The one switch for tests: AXGEN_XLA_KERNELS=1 swaps the cudnn kernel for the XLA path so this
-# program runs on CPU; nothing else differs.
-ATTENTION_IMPL = "xla" if os.environ.get("AXGEN_XLA_KERNELS") == "1" else "cudnn"
 
 # Logical axis -> mesh axes. Every sharding in this file comes from this table.
 LOGICAL_AXIS_RULES = {
@@ -183,6 +180,10 @@ def param_shardings(mesh):
 
 
 # --- model ---------------------------------------------------------------------------------------------------
+
+# The one switch for tests: AXGEN_XLA_KERNELS=1 swaps the cudnn kernel for the XLA path so this
+# program runs on CPU; nothing else differs.
+ATTENTION_IMPL = "xla" if os.environ.get("AXGEN_XLA_KERNELS") == "1" else "cudnn"
 
 
 def document_mask(segment_ids):

@@ -82,9 +82,6 @@ PEAK_FLOPS_PER_DEVICE = 4.59e14  # TPU v5p, dense
 NUM_HOSTS = 64
 PLATFORM = "tpu"  # jax's platform, unless JAX_PLATFORMS says otherwise
 LIBTPU_INIT_ARGS = []  # before jax starts; $LIBTPU_INIT_ARGS goes after them and wins
-# The one switch for tests: AXGEN_XLA_KERNELS=1 swaps the splash kernel for the XLA path so this
-# program runs on CPU; nothing else differs.
-ATTENTION_IMPL = "xla" if os.environ.get("AXGEN_XLA_KERNELS") == "1" else "splash"
 SPLASH_BLOCK = 512  # query and key/value block length of the splash kernel
 
 # Logical axis -> mesh axes. Every sharding in this file comes from this table.
@@ -186,6 +183,10 @@ def param_shardings(mesh):
 
 
 # --- model ---------------------------------------------------------------------------------------------------
+
+# The one switch for tests: AXGEN_XLA_KERNELS=1 swaps the splash kernel for the XLA path so this
+# program runs on CPU; nothing else differs.
+ATTENTION_IMPL = "xla" if os.environ.get("AXGEN_XLA_KERNELS") == "1" else "splash"
 
 
 def document_mask(segment_ids):

@@ -77,7 +77,6 @@ PEAK_FLOPS_PER_DEVICE = 9.6e10  # host CPU core, dense
 NUM_HOSTS = 1
 PLATFORM = "cpu"  # jax's platform, unless JAX_PLATFORMS says otherwise
 XLA_FLAGS = []  # before jax starts; $XLA_FLAGS goes after them and wins
-ATTENTION_IMPL = "xla"
 
 # Logical axis -> mesh axes. Every sharding in this file comes from this table.
 LOGICAL_AXIS_RULES = {
@@ -189,6 +188,8 @@ def param_shardings(mesh):
 
 
 # --- model ---------------------------------------------------------------------------------------------------
+
+ATTENTION_IMPL = "xla"
 
 
 def document_mask(segment_ids):

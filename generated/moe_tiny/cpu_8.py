@@ -79,7 +79,6 @@ PLATFORM = "cpu"  # jax's platform, unless JAX_PLATFORMS says otherwise
 XLA_FLAGS = [
     "--xla_force_host_platform_device_count=8"
 ]  # before jax starts; $XLA_FLAGS goes after them and wins
-ATTENTION_IMPL = "xla"
 
 # Logical axis -> mesh axes. Every sharding in this file comes from this table.
 LOGICAL_AXIS_RULES = {
@@ -191,6 +190,8 @@ def param_shardings(mesh):
 
 
 # --- model ---------------------------------------------------------------------------------------------------
+
+ATTENTION_IMPL = "xla"
 
 
 def document_mask(segment_ids):
