@@ -4,14 +4,20 @@ GPU kernel side by side, the dense one under each XLA flag worth trying, and `ax
 dense model (its first choice against the fastest measured). MaxText on the same dense model where it is installed.
 
     .venv/bin/python bench/h100.py prepare            # on a host with axgen: programs, dataset, AOT peaks, plan
-    python bench/h100.py run --out docs/h100.md       # on the H100: needs jax, optax, orbax, tensorboardX only
+    python bench/h100.py run --out docs/h100.md       # on the H100: needs jax, optax, orbax (tensorboardX travels)
     .venv/bin/python bench/h100.py smoke              # both, with tiny models on CPU: checks the bench itself
 
-`prepare` writes build/h100/ (about 1 MB): the emitted programs, a byte-level dataset of the demo corpus and
-manifest.json with what each row runs and what `axgen aot` predicted. `run` trains each program for --steps
-steps, reads its metrics.jsonl (tokens/s and MFU: the median after the first logged interval, which holds the
-compile; peak: the largest `peak_bytes_in_use` logged) and prints one markdown table. A row whose program AOT
-said fits and that did not run is the failure this bench exists to catch.
+`prepare` writes build/h100/ (a few MB): the emitted programs, a byte-level dataset of the demo corpus, the wheels
+of what the programs import beyond jax, optax and orbax (the H100 machine reaches no package index), and
+manifest.json with what each row runs, in order of what the issue most needs, and what `axgen aot` predicted.
+`run` trains each program for --steps steps, reads its metrics.jsonl (tokens/s and MFU: the median after the
+first logged interval, which holds the compile; peak: the largest `peak_bytes_in_use` logged) and prints one
+markdown table. A row whose program AOT said fits and that did not run is the failure this bench exists to catch.
+
+Device time comes in calls of at most 10 minutes: `run` appends each row's result to build/h100/results.jsonl as
+it finishes, skips rows already there, starts no row after --max-seconds, and stops a row at --row-seconds. On the
+device: `python bench/h100.py run --out $OUT/h100.md; cp build/h100/results.jsonl $OUT/` (carry build/h100);
+copy results.jsonl back into build/h100 here before the next call, which picks up where the last one stopped.
 """
 
 from __future__ import annotations
@@ -58,6 +64,9 @@ FLAGS = {
 }
 KERNEL_SWITCH = 'GROUPED_MATMUL_IMPL = "xla" if os.environ.get("AXGEN_XLA_KERNELS") == "1" else "mosaic_gpu"'
 PLAN_TOP = 5
+RESULTS = "results.jsonl"
+# What the programs import that the H100 machine lacks (PLATFORM.md): pure Python or abi3, any CPython 3.
+WHEELS = ("tensorboardX==2.6.5", "protobuf==7.36.2")
 
 
 def prepare(out: Path, target: str, seq_len: int, batch: int, tiny: bool, plan_compiles: int) -> None:
@@ -81,6 +90,7 @@ def prepare(out: Path, target: str, seq_len: int, batch: int, tiny: bool, plan_c
         eos_id=0,
         eval_fraction=0.01,
     )
+    _download_wheels(out / "wheels")
     rows = []
     for name, (base, layers, features) in MODELS.items():
         if tiny:
@@ -108,9 +118,35 @@ def prepare(out: Path, target: str, seq_len: int, batch: int, tiny: bool, plan_c
         c = outcome.candidate
         label = f"plan #{rank}: {c.mesh_text()}, {c.microbatch}/pass, {c.remat}"
         rows.append(_row(label, program, outcome.report, estimated=outcome.step_seconds))
+    rows.sort(key=lambda row: bool(row["flags"]))  # the flag sweep after every figure the issue asks for
     manifest = {"target": target, "tokens_per_step": seq_len * batch, "rows": rows}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     print(f"wrote {out}: {len(rows)} rows")
+
+
+def _download_wheels(wheels: Path) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "-q",
+        "--no-deps",
+        "--only-binary=:all:",
+        "-d",
+        str(wheels),
+    ]
+    command += ["--platform", "manylinux2014_x86_64", "--python-version", "3.12", *WHEELS]
+    if subprocess.run(command).returncode:
+        print(f"could not download {', '.join(WHEELS)}: `run` needs them installed on the H100 machine")
+
+
+def _install_missing_wheels(directory: Path) -> None:
+    try:
+        import tensorboardX  # noqa: F401
+    except ImportError:
+        command = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links"]
+        subprocess.run([*command, str(directory / "wheels"), *WHEELS], check=True)
 
 
 def _program_rows(out, spec, name, target, build, compile_target) -> list[dict]:
@@ -143,13 +179,31 @@ def _row(label, program, report, flags="", estimated=None) -> dict:
     }
 
 
-def run(directory: Path, steps: int, log_every: int, only: list[str] | None, maxtext: bool) -> str:
-    """Trains every row's program and returns the markdown table."""
+def run(directory: Path, options: argparse.Namespace) -> str:
+    """Trains each row's program not yet in results.jsonl, within the time given, and returns the markdown table
+    of every row measured so far."""
     import jax
 
+    _install_missing_wheels(directory)
+    began = time.monotonic()
     manifest = json.loads((directory / "manifest.json").read_text())
+    only = options.only.split(",") if options.only else None
     rows = [r for r in manifest["rows"] if not only or any(r["label"].startswith(o) for o in only)]
-    results = [_measure(directory, row, steps, log_every) for row in rows]
+    done = _results(directory)
+    for row in rows:
+        if row["label"] in done:
+            continue
+        if time.monotonic() - began > options.max_seconds:
+            print(f"--max-seconds spent: {row['label']} and the rows after it wait for the next call")
+            break
+        done[row["label"]] = _measure(directory, row, options)
+        with open(directory / RESULTS, "a") as results:
+            results.write(json.dumps({"label": row["label"], **done[row["label"]]}) + "\n")
+        print(_table_row(row, done[row["label"]], manifest["tokens_per_step"]), flush=True)
+    rows, results = [r for r in rows if r["label"] in done], [
+        done[r["label"]] for r in rows if r["label"] in done
+    ]
+    steps, log_every = options.steps, options.log_every
     lines = [
         f"# {manifest['target']}: measured {date.today()}",
         "",
@@ -161,27 +215,39 @@ def run(directory: Path, steps: int, log_every: int, only: list[str] | None, max
     ]
     for row, result in zip(rows, results):
         lines.append(_table_row(row, result, manifest["tokens_per_step"]))
-    lines += _plan_summary(rows, results) + (_maxtext() if maxtext else [])
+    lines += _plan_summary(rows, results) + (_maxtext() if options.maxtext else [])
     failures = [r["label"] for r, m in zip(rows, results) if r["aot_fits"] and not m["ran"]]
     lines += ["", f"AOT said fits but the program did not run: {', '.join(failures) or 'none'}."]
     return "\n".join(lines) + "\n"
 
 
-def _measure(directory: Path, row: dict, steps: int, log_every: int) -> dict:
+def _results(directory: Path) -> dict:
+    """The rows earlier calls measured, by label."""
+    path = directory / RESULTS
+    records = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return {record.pop("label"): record for record in records}
+
+
+def _measure(directory: Path, row: dict, options: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="h100-run-") as run_dir:
         env = dict(os.environ, XLA_FLAGS=row["flags"]) if row["flags"] else dict(os.environ)
         argv = [sys.executable, str(directory / row["program"]), "--data", str(directory / "data")]
-        argv += ["--run-dir", run_dir, "--steps", str(steps), "--log-every", str(log_every)]
+        argv += ["--run-dir", run_dir, "--steps", str(options.steps), "--log-every", str(options.log_every)]
         began = time.monotonic()
-        result = subprocess.run(argv, capture_output=True, text=True, env=env)
+        try:
+            result = subprocess.run(
+                argv, capture_output=True, text=True, env=env, timeout=options.row_seconds
+            )
+            code, error = result.returncode, (result.stderr.strip().splitlines() or ["no message"])[-1]
+        except subprocess.TimeoutExpired:
+            code, error = -1, f"stopped after --row-seconds {options.row_seconds}"
         seconds = time.monotonic() - began
         metrics = Path(run_dir) / "metrics.jsonl"
         records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     speeds = [r for r in records if "tokens_per_second" in r][1:]
-    error = (result.stderr.strip().splitlines() or ["no message"])[-1]
     return {
-        "ran": result.returncode == 0,
-        "error": None if result.returncode == 0 else error[:160],
+        "ran": code == 0,
+        "error": None if code == 0 else error[:160],
         "tokens_per_second": statistics.median(r["tokens_per_second"] for r in speeds) if speeds else None,
         "mfu": statistics.median(r["mfu"] for r in speeds) if speeds else None,
         "peak": max((r["memory_bytes"] for r in records if r.get("memory_bytes")), default=None),
@@ -254,14 +320,14 @@ def main() -> int:
     r.add_argument("--only", help="comma-separated row labels' beginnings, e.g. dense,mixtral")
     r.add_argument("--maxtext", action="store_true", help="also run MaxText on the dense model's shapes")
     r.add_argument("--out", type=Path, help="also write the table here, e.g. docs/h100.md")
+    r.add_argument("--max-seconds", type=float, default=300, help="start no row after this long")
+    r.add_argument("--row-seconds", type=float, default=240, help="stop a row's program after this long")
     sub.add_parser("smoke")
     args = parser.parse_args()
     if args.command == "prepare":
         prepare(args.out, "gpu-h100-1", 4096, 8, tiny=False, plan_compiles=args.plan_compiles)
     elif args.command == "run":
-        table = run(
-            args.dir, args.steps, args.log_every, args.only.split(",") if args.only else None, args.maxtext
-        )
+        table = run(args.dir, args)
         print(table, end="")
         if args.out:
             args.out.write_text(table)
@@ -269,7 +335,10 @@ def main() -> int:
         with tempfile.TemporaryDirectory(prefix="h100-smoke-") as work:
             os.environ["JAX_PLATFORMS"] = "cpu"
             prepare(Path(work), "cpu-1", 128, 4, tiny=True, plan_compiles=3)
-            print(run(Path(work), steps=4, log_every=1, only=None, maxtext=False), end="")
+            options = argparse.Namespace(
+                steps=4, log_every=1, only=None, maxtext=False, max_seconds=600, row_seconds=300
+            )
+            print(run(Path(work), options), end="")
     return 0
 
 
