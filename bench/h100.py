@@ -146,7 +146,8 @@ def _install_missing_wheels(directory: Path) -> None:
         import tensorboardX  # noqa: F401
     except ImportError:
         command = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links"]
-        subprocess.run([*command, str(directory / "wheels"), *WHEELS], check=True)
+        # tensorboardX alone: pip takes protobuf from the wheels only where the machine has none of its own.
+        subprocess.run([*command, str(directory / "wheels"), WHEELS[0]], check=True)
 
 
 def _program_rows(out, spec, name, target, build, compile_target) -> list[dict]:
