@@ -1,6 +1,7 @@
 """The emitted CPU program trains on 8 fake devices, evaluates, logs, resumes exactly, and shards without changing
 results."""
 
+import concurrent.futures
 import fcntl
 import json
 import os
@@ -21,16 +22,6 @@ def checkpoints(run_dir) -> list[int]:
     return sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
 
 
-def test_steps_at_or_below_the_resumed_step_are_refused(corpus, tmp_path):
-    train(CPU_8, corpus, tmp_path, 3)
-    result = python_result(str(CPU_8), *program_args(corpus, tmp_path, 3))
-    assert result.returncode == 2
-    assert result.stderr.strip().endswith(
-        f"error: --steps 3 is not beyond step 3, where {tmp_path / 'checkpoints'} resumes"
-    )
-    assert checkpoints(tmp_path) == [3]
-
-
 def records(run_dir, key):
     """{step: value} of `key` in run_dir/metrics.jsonl, the last record of a step winning."""
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
@@ -38,8 +29,10 @@ def records(run_dir, key):
 
 
 def test_loss_falls_and_resume_matches_uninterrupted_run_bit_for_bit(corpus, tmp_path):
-    uninterrupted = train(CPU_8, corpus, tmp_path / "a", 20, *EVAL)
-    train(CPU_8, corpus, tmp_path / "b", 8, *EVAL)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # separate processes: side by side on two cores
+        uninterrupted, _ = pool.map(
+            lambda run: train(CPU_8, corpus, tmp_path / run[0], run[1], *EVAL), [("a", 20), ("b", 8)]
+        )
     assert checkpoints(tmp_path / "b") == [8], "saved at the end only: no save of step 1, none between"
     second_half = train(CPU_8, corpus, tmp_path / "b", 20, *EVAL)
     assert checkpoints(tmp_path / "b") == [8, 20]
@@ -83,7 +76,9 @@ def test_sharded_forward_equals_single_device_forward():
     np.testing.assert_allclose(np.asarray(sharded), np.asarray(single), rtol=1e-5, atol=1e-5)
 
 
-def test_a_second_run_on_the_same_directory_is_refused_naming_the_first(corpus, tmp_path):
+def test_a_second_run_on_the_same_directory_is_refused_naming_the_first_and_so_are_steps_it_reached(
+    corpus, tmp_path
+):
     tmp_path.mkdir(exist_ok=True)
     with open(tmp_path / ".lock", "a+") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -97,6 +92,12 @@ def test_a_second_run_on_the_same_directory_is_refused_naming_the_first(corpus, 
     )
     assert not (tmp_path / "checkpoints").exists()
     train(CPU_8, corpus, tmp_path, 2)  # the lock of a run that ended does not hold
+    result = python_result(str(CPU_8), *program_args(corpus, tmp_path, 2))
+    assert result.returncode == 2
+    assert result.stderr.strip().endswith(
+        f"error: --steps 2 is not beyond step 2, where {tmp_path / 'checkpoints'} resumes"
+    )
+    assert checkpoints(tmp_path) == [2]
 
 
 def test_a_restarted_run_reuses_its_compiled_step_from_the_cache(corpus, tmp_path):
