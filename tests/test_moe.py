@@ -226,3 +226,10 @@ def test_mixed_stack_runs_layers_in_order(tmp_path, every):
     np.testing.assert_allclose(
         np.asarray(mixed.forward(mixed_params, tokens)), np.asarray(dense.forward(params, tokens)), atol=2e-5
     )
+
+
+def test_gemma_block_makes_the_routed_experts_geglu_like_the_dense_mlp():
+    program = load_program(ROOT / "generated/features_tiny/cpu_1.py")  # moe, then gemma_block
+    gate, up = jax.random.normal(jax.random.key(0), (2, 8, 16))
+    expected = jax.nn.gelu(gate, approximate=True) * up
+    np.testing.assert_allclose(program.expert_mlp(None, gate, up), expected, rtol=1e-6)

@@ -41,6 +41,9 @@ def gemma_block(g: Graph, cfg: GemmaBlock) -> None:
         for swiglu in list(g.nodes(op="swiglu", region=region.name)):
             geglu = g.add(region.name, "hidden_geglu", "geglu", g.inputs(swiglu))
             g.replace(g.subgraph(region.name, lambda n, old=swiglu: n is old), geglu)
+        for experts in g.nodes(op="moe", region=region.name):  # routed experts: GeGLU as the dense MLP is
+            if experts.attrs.activation == "swiglu":
+                g.update(experts, activation="geglu")
     for norm in list(g.nodes(op="rms_norm")):  # every norm, q and k norms too, scales by 1 + w
         g.update(norm, {"scale": dataclasses.replace(norm.params["scale"], init="zeros")}, offset=1.0)
 

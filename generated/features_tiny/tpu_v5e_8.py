@@ -404,7 +404,7 @@ def route(router_logits, top_k, batch_axes=None):
 
 def expert_mlp(x, gate, up):
     """The spec's MLP activation on each expert's hidden units (`gate` is None without a gate)."""
-    return jax.nn.silu(gate) * up
+    return jax.nn.gelu(gate, approximate=True) * up
 
 
 # The megablox grouped matmul's tiles for experts of embed=128 -> mlp on one device, from
@@ -645,6 +645,7 @@ def moe_decoder_layer(x, p, positions, segment_ids):
     mlp_norm = rms_norm(x_attn, 1.0 + p["mlp_norm"], eps=1e-05)  # [batch, seq, embed=128]
     # moe · passes/moe.py · specs/features_tiny.py:17
     router = jnp.einsum("bse,ex->bsx", mlp_norm, p["router"])  # [batch, seq, expert=4]
+    # moe · passes/moe.py · specs/features_tiny.py:17 · changed by passes/gemma_block.py
     moe, moe_aux = moe_dropless(
         mlp_norm, router, p["w_gate"], p["w_up"], p["w_down"], top_k=2
     )  # [batch, seq, embed=128]
