@@ -20,12 +20,13 @@ from axgen.aot import AotError, compile_target, markdown
 from axgen.backends import FAMILIES, family_for, plan_for
 from axgen.build import build, default_output, lowered
 from axgen.corpus import write_corpus
-from axgen.data import DataError, ReadOptions, build_dataset, summary
+from axgen.data import build_dataset, summary
 from axgen.explain import explain, render
 from axgen.files import OutputError, check_output_dir, check_output_file, write_atomically
 from axgen.hf_export import export_hf
 from axgen.hf_import import HFImportError, TrainChoices, import_hf
 from axgen.hf_weights import convert_hf
+from axgen.inputs import DataError, ReadOptions
 from axgen.interop import CheckpointError
 from axgen.ir import GraphError, cost, from_spec
 from axgen.loader import load_spec

@@ -13,8 +13,9 @@ from tokenizers import Tokenizer, models
 import axgen.data
 from axgen.cli import main
 from axgen.corpus import MODULES, write_corpus
-from axgen.data import DataError, read_manifest, write_dataset
+from axgen.data import read_manifest, write_dataset
 from axgen.files import OutputError
+from axgen.inputs import DataError
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",

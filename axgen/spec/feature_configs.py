@@ -1,0 +1,338 @@
+"""Feature configs: each one is applied by the pass of the same name in axgen/passes/. A spec lists them in
+`Model.features`, built through the `features` namespace (`F.rope(theta=...)`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import typing
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from axgen.spec.architecture import RMSNorm
+from axgen.spec.validation import SpecNode, suggest
+
+if TYPE_CHECKING:
+    from axgen.spec.model import Model
+
+QUANTIZE_DTYPES = ("int8", "fp8")
+FP8_SCALINGS = ("current", "delayed")
+
+
+@dataclass(frozen=True)
+class RematPolicy:
+    """Which projections' outputs (by role: qkv_proj, out_proj, mlp_in, mlp_out) backward keeps on the device and
+    which it moves to host memory; everything else in a layer is recomputed. `checkpoint=False`: no remat."""
+
+    save: tuple[str, ...]
+    offload: tuple[str, ...]
+    why: str
+    checkpoint: bool = True
+
+
+_DOTS = ("qkv_proj", "out_proj", "mlp_in", "mlp_out")
+REMAT_POLICIES = {
+    "none": RematPolicy((), (), "keep every activation: no rematerialisation", checkpoint=False),
+    "full": RematPolicy((), (), "keep each layer's input only; recompute the whole layer in backward"),
+    "save_dots": RematPolicy(
+        _DOTS, (), "keep every projection's output; recompute norms, rope, attention and activations"
+    ),
+    "save_dots_except_mlp": RematPolicy(
+        _DOTS[:2], (), "keep attention projections; recompute the MLP, the widest tensors"
+    ),
+    "save_qkv_proj": RematPolicy(_DOTS[:1], (), "keep q, k, v; recompute the rest"),
+    "save_out_proj": RematPolicy(_DOTS[1:2], (), "keep the attention output projection; recompute the rest"),
+    "offload_dots": RematPolicy(
+        (), _DOTS, "move every projection's output to host memory and back for backward"
+    ),
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Feature(SpecNode):
+    """A feature config; `pass_name` names the pass in axgen/passes/ that applies it."""
+
+    pass_name: typing.ClassVar[str]
+
+    @property
+    def provenance(self) -> str:
+        """`specs/x.py: features.rope`: named by its pass, which is also its name in the `features` namespace
+        the spec wrote it with. Unlike its index in `Model.features`, the name does not change when a feature
+        is added or moved before it, and it means the same in the file that built the feature and in a spec
+        derived from that file's model."""
+        return self.origin.provenance(f"features.{self.pass_name}")
+
+    def check_model(self, model: Model) -> None:
+        """Checks of the feature against the model it is part of; subclasses extend it."""
+
+    def requires(self) -> tuple[str, ...]:
+        """Chip capabilities the feature needs (`host_offload`, `int8`, `fp8`); a target without one is an error."""
+        return ()
+
+    def summary(self) -> str:
+        """`rope(theta=500000.0)`: how the feature is named in an emitted file's header."""
+        args = ", ".join(
+            f"{f.name}={getattr(self, f.name)}"
+            for f in dataclasses.fields(self)
+            if f.name not in ("origin", *self.unremarkable()) and getattr(self, f.name) not in (None, False)
+        )
+        return f"{self.pass_name}({args})"
+
+    def unremarkable(self) -> tuple[str, ...]:
+        """Fields the summary leaves out because their values say nothing here."""
+        return ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeScaling(SpecNode):
+    """Llama-3 frequency scaling: long wavelengths slowed by `factor`, short kept, a smooth band between."""
+
+    HF_KEYS = {
+        "factor": "rope_scaling.factor",
+        "low_freq_factor": "rope_scaling.low_freq_factor",
+        "high_freq_factor": "rope_scaling.high_freq_factor",
+        "original_max_position": "rope_scaling.original_max_position_embeddings",
+    }
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position: int
+
+    def __str__(self) -> str:
+        return (
+            f"llama3(factor={self.factor}, low={self.low_freq_factor}, high={self.high_freq_factor}, "
+            f"original_max_position={self.original_max_position})"
+        )
+
+    def validate(self) -> None:
+        self.require_positive("factor", "low_freq_factor", "original_max_position")
+        if self.high_freq_factor <= self.low_freq_factor:
+            self.fail("high_freq_factor", f"must be > low_freq_factor={self.low_freq_factor}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoPE(Feature):
+    """Rotary position embeddings on queries and keys (rotate-half layout, as in HF Llama)."""
+
+    pass_name: typing.ClassVar[str] = "rope"
+    HF_KEYS = {"theta": "rope_theta (transformers 5: rope_parameters.rope_theta)"}
+    theta: float
+    scaling: RopeScaling | None = None
+
+    def validate(self) -> None:
+        self.require_positive("theta")
+
+    def check_model(self, model: Model) -> None:
+        if model.decoder.attention.head_dim % 2:
+            model.decoder.attention.fail("head_dim", "must be even for rope (it rotates pairs of channels)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoE(Feature):
+    """Mixture of experts in place of the MLP of every `every`-th layer (the last of each group of `every`).
+
+    Routing as in Mixtral: softmax over experts, top-k, the k weights renormalised (`renormalize=False` keeps the
+    k probabilities as they are, as Qwen1.5-MoE's `norm_topk_prob=False`). Dropless when `capacity_factor` is
+    None; otherwise each expert takes `top_k * seq * capacity_factor / num_experts` tokens of a sequence and drops
+    the rest. The training loss adds `aux_loss_weight` times the Switch Transformer load-balancing loss and
+    `router_z_loss_weight` times the ST-MoE router z-loss; both are needed only to train. The experts' width is
+    `Decoder.mlp.hidden_dim`.
+
+    `shared_hidden_dim` adds a shared expert that every token takes: the decoder's MLP at that width, added to
+    the routed experts' output (DeepSeek-MoE), scaled by sigmoid(x . w) when `shared_gate` (Qwen2-MoE).
+    """
+
+    pass_name: typing.ClassVar[str] = "moe"
+    HF_KEYS = {
+        "num_experts": "num_local_experts or num_experts",
+        "top_k": "num_experts_per_tok",
+        "renormalize": "norm_topk_prob (Mixtral: true)",
+        "aux_loss_weight": "router_aux_loss_coef",
+    }
+    num_experts: int
+    top_k: int
+    renormalize: bool
+    capacity_factor: float | None = None
+    every: int = 1
+    aux_loss_weight: float | None = None
+    router_z_loss_weight: float | None = None
+    shared_hidden_dim: int | None = None
+    shared_gate: bool = False
+
+    def validate(self) -> None:
+        self.require_positive("top_k", "every")
+        if self.shared_hidden_dim is not None:
+            self.require_positive("shared_hidden_dim")
+        elif self.shared_gate:
+            self.fail("shared_gate", "needs a shared expert: set shared_hidden_dim")
+        if self.num_experts < 2:
+            self.fail("num_experts", "must be >= 2")
+        if self.top_k > self.num_experts:
+            self.fail("top_k", f"must be <= num_experts={self.num_experts}")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            self.fail("capacity_factor", "must be > 0 (or None for dropless routing)")
+        for name in ("aux_loss_weight", "router_z_loss_weight"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                self.fail(name, "must be >= 0")
+
+    def unremarkable(self) -> tuple[str, ...]:
+        return ("renormalize",) if self.renormalize else ()
+
+    def check_model(self, model: Model) -> None:
+        if model.decoder.num_layers % self.every:
+            self.fail("every", f"does not divide Decoder.num_layers={model.decoder.num_layers}")
+        if model.train is not None:
+            for name in ("aux_loss_weight", "router_z_loss_weight"):
+                if getattr(self, name) is None:
+                    self.fail(
+                        name, "is needed to train (the model has a Train block); 0.0 turns the loss off"
+                    )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Remat(Feature):
+    """Rematerialisation of each decoder layer: which matmul outputs the backward pass keeps, and which it
+    recomputes. `full` keeps only the layer inputs; `save_*` keep the named projections; `offload_dots` moves all
+    of them to pinned host memory; `none` keeps everything (overrides a backend's default)."""
+
+    pass_name: typing.ClassVar[str] = "remat"
+    policy: str = "full"
+
+    def validate(self) -> None:
+        if self.policy not in REMAT_POLICIES:
+            self.fail(
+                "policy", f"is not one of {', '.join(REMAT_POLICIES)}{suggest(self.policy, REMAT_POLICIES)}"
+            )
+
+    def requires(self) -> tuple[str, ...]:
+        return ("host_offload",) if self.policy.startswith("offload") else ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Quantize(Feature):
+    """Quantized matmuls for the projections whose `region/node` name matches `include` and not `exclude`
+    (default: every projection of the decoder blocks except an MoE router; the output head only when `include`
+    names `main/logits`). `dtype=None` takes the target's preferred dtype: int8 on TPU, fp8 on H100 and Trainium.
+    A target without the dtype is an error unless `emulate=True`, which runs the same arithmetic in wider types.
+    fp8 scales each tensor by its own max (`scaling="current"`) or by the largest max of the last `amax_history`
+    steps (`"delayed"`, as Transformer Engine does), kept beside the weights."""
+
+    pass_name: typing.ClassVar[str] = "quantize"
+    dtype: str | None = None
+    include: str | None = None
+    exclude: str | None = None
+    scaling: str = "current"
+    amax_history: int = 16
+    emulate: bool = False
+
+    def validate(self) -> None:
+        if self.dtype is not None and self.dtype not in QUANTIZE_DTYPES:
+            self.fail(
+                "dtype", f"is not one of {', '.join(QUANTIZE_DTYPES)}{suggest(self.dtype, QUANTIZE_DTYPES)}"
+            )
+        if self.scaling not in FP8_SCALINGS:
+            self.fail(
+                "scaling", f"is not one of {', '.join(FP8_SCALINGS)}{suggest(self.scaling, FP8_SCALINGS)}"
+            )
+        if self.scaling == "delayed" and self.dtype == "int8":
+            self.fail("scaling", "applies to fp8; int8 scales each token and channel by its own max")
+        self.require_positive("amax_history")
+        for name in ("include", "exclude"):
+            try:
+                re.compile(getattr(self, name) or "")
+            except re.error as err:
+                self.fail(name, f"is not a regular expression ({err})")
+
+    def requires(self) -> tuple[str, ...]:
+        return () if self.emulate or self.dtype is None else (self.dtype,)
+
+    def unremarkable(self) -> tuple[str, ...]:
+        return () if self.scaling == "delayed" else ("scaling", "amax_history")
+
+
+@dataclass(frozen=True, kw_only=True)
+class QKVBias(Feature):
+    """Learned biases on the query, key and value projections, as Qwen2 has; the output projection keeps none."""
+
+    pass_name: typing.ClassVar[str] = "qkv_bias"
+
+
+@dataclass(frozen=True, kw_only=True)
+class QKNorm(Feature):
+    """RMSNorm over each head of the queries and keys, before RoPE, each with its own learned scale (Qwen3,
+    Gemma 3). `eps` has no default: a checkpoint's value is its config's `rms_norm_eps`."""
+
+    pass_name: typing.ClassVar[str] = "qk_norm"
+    eps: float
+
+    def validate(self) -> None:
+        self.require_positive("eps")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlidingWindow(Feature):
+    """Each query attends to the last `window` positions, itself included (Mistral 7B v0.1: 4096; HF's
+    `sliding_window`). With `global_every=k`, the last layer of each group of k keeps full attention: Gemma 2
+    alternates local and global layers with k=2."""
+
+    pass_name: typing.ClassVar[str] = "sliding_window"
+    window: int
+    global_every: int | None = None
+
+    def validate(self) -> None:
+        self.require_positive("window")
+        if self.global_every is not None and self.global_every < 2:
+            self.fail("global_every", "must be >= 2 (or None: every layer local)")
+
+    def check_model(self, model: Model) -> None:
+        if self.global_every and model.decoder.num_layers % self.global_every:
+            self.fail("global_every", f"does not divide Decoder.num_layers={model.decoder.num_layers}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SoftCap(Feature):
+    """Soft-capping, as in Gemma 2 (HF's `attn_logit_softcapping`, `final_logit_softcapping`): attention scores
+    become attention * tanh(score / attention) before the softmax, the output logits final * tanh(logit / final).
+    Either may be None."""
+
+    pass_name: typing.ClassVar[str] = "softcap"
+    attention: float | None = None
+    final: float | None = None
+
+    def validate(self) -> None:
+        if self.attention is None and self.final is None:
+            self.fail("attention", "and SoftCap.final are both None: cap at least one of them")
+        for name in ("attention", "final"):
+            if getattr(self, name) is not None:
+                self.require_positive(name)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GemmaBlock(Feature):
+    """Gemma's decoder layer on a Llama: the gated MLP's gate goes through tanh-approximate GELU (GeGLU), the
+    embeddings are scaled by sqrt(d_model), every RMSNorm scales by 1 + w, and norms sit around both sub-layers
+    (after attention and after the MLP, before each joins the residual stream). The decoder's MLP must be gated.
+    """
+
+    pass_name: typing.ClassVar[str] = "gemma_block"
+
+    def check_model(self, model: Model) -> None:
+        if model.decoder.mlp.activation != "swiglu":
+            model.decoder.mlp.fail("activation", "must be swiglu for gemma_block, whose gate GeGLU replaces")
+        if not isinstance(model.decoder.norm, RMSNorm):
+            model.decoder.fail("norm", "must be an RMSNorm for gemma_block")
+
+
+class features:  # noqa: N801 - a namespace, used as `features as F` in spec files
+    """Feature constructors for `Model.features`: `F.rope(theta=5e5, scaling=F.rope_scaling(factor=8.0))`."""
+
+    rope = RoPE
+    rope_scaling = RopeScaling
+    moe = MoE
+    remat = Remat
+    quantize = Quantize
+    qkv_bias = QKVBias
+    qk_norm = QKNorm
+    sliding_window = SlidingWindow
+    softcap = SoftCap
+    gemma_block = GemmaBlock

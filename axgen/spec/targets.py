@@ -1,0 +1,81 @@
+"""Target rules: which mesh, kernels and modifiers a target name gets. Backends list their own; a spec may list
+rules tried before them (`Model.mesh_rules`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from axgen.spec.feature_configs import QUANTIZE_DTYPES, Remat
+from axgen.spec.validation import SpecNode, suggest
+
+# Outermost first: `model` is innermost so its collectives use the fastest links between neighbouring devices.
+MESH_AXES = ("data", "fsdp", "expert", "model")
+ATTENTION_KERNELS = ("xla", "splash", "cudnn")
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class MeshRule(SpecNode):
+    """A regex over target names -> a mesh over `data, fsdp, expert, model` (-1: the devices left over) and the
+    modifiers that go with it; a modifier left None keeps the backend's choice. Each backend tries its rules in
+    order and the first match wins; a spec's `Model.mesh_rules` are tried before the backend's. On a multi-slice
+    target (`tpu-v5e-256x2`) the mesh is one slice's and the slices multiply `data`.
+
+    `microbatch` is the sequences each device runs per forward and backward pass: a step whose per-device batch
+    is larger accumulates gradients over `per-device batch / microbatch` passes. `attention_block` is the query
+    and key/value block length of the splash attention kernel. `memory_fraction` is the share of each device's
+    memory the program's allocator takes (GPU), and what `axgen aot` checks the peak against."""
+
+    pattern: str
+    mesh: dict[str, int]
+    _: dataclasses.KW_ONLY
+    why: str
+    compute_dtype: str | None = None
+    attention: str | None = None
+    attention_block: int | None = None
+    microbatch: int | None = None
+    remat: Remat | None = None
+    quantize_dtype: str | None = None
+    memory_fraction: float | None = None
+    xla_flags: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        try:
+            re.compile(self.pattern)
+        except re.error as err:
+            self.fail("pattern", f"is not a regular expression ({err})")
+        for axis, size in self.mesh.items():
+            if axis not in MESH_AXES:
+                self.fail(
+                    "mesh", f"has axis {axis!r}, not one of {', '.join(MESH_AXES)}{suggest(axis, MESH_AXES)}"
+                )
+            if size < 1 and size != -1:
+                self.fail("mesh", f"gives {axis}={size}; sizes are >= 1, or -1 for the devices left over")
+        if list(self.mesh.values()).count(-1) > 1:
+            self.fail("mesh", "has more than one -1 axis")
+        for name, known in (
+            ("compute_dtype", COMPUTE_DTYPES),
+            ("attention", ATTENTION_KERNELS),
+            ("quantize_dtype", QUANTIZE_DTYPES),
+        ):
+            value = getattr(self, name)
+            if value is not None and value not in known:
+                self.fail(name, f"is not one of {', '.join(known)}{suggest(value, known)}")
+        for name in ("attention_block", "microbatch"):
+            if getattr(self, name) is not None:
+                self.require_positive(name)
+        if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
+            self.fail("memory_fraction", "is not in (0, 1]")
+        if self.attention_block is not None and self.attention_block % 128:
+            self.fail("attention_block", "must be a multiple of 128 (the TPU lane width)")
+
+    def matches(self, target: str) -> bool:
+        return re.fullmatch(self.pattern, target) is not None
+
+    @property
+    def provenance(self) -> str:
+        """`backends/gpu.py: mesh rule 'gpu-h100-[1-8]'`: a rule is named by its pattern, which stays when lines
+        around it move."""
+        return self.origin.provenance(f"mesh rule '{self.pattern}'")
