@@ -164,35 +164,34 @@ def _environment(plan: Plan) -> dict[str, str]:
 def _compile_here(program_path: str, spec_path: str, target: str, rule: str) -> Report:
     """Runs in the compile process: imports the program, builds its mesh on the stand-in devices, compiles."""
     import jax
-    import jax.numpy as jnp
 
     from axgen.interop import load_program
+    from axgen.runtime.memory import host_bytes, step_peak_bytes
+    from axgen.runtime.program import Program
 
     spec = load_spec(spec_path)
     if json.loads(rule):
         spec = spec.replace(mesh_rules=[candidate_rule(target, json.loads(rule)), *spec.mesh_rules])
     plan = plan_for(spec, target)
-    program = load_program(program_path)
+    program = Program.from_module(load_program(program_path))
     devices, compiled_for = _devices(plan)
     mesh = program.make_mesh(devices)
-    batch, seq_len = program.CONFIG["global_batch"], program.CONFIG["seq_len"]
+    batch, seq_len = program.config["global_batch"], program.config["seq_len"]
     common = dict(
-        spec=program.CONFIG["model"],
+        spec=program.config["model"],
         target=target,
         compiled_for=compiled_for,
-        mesh=dict(program.MESH_SHAPE),
+        mesh=dict(program.mesh_shape),
         grad_accum_steps=plan.grad_accum_steps,
         microbatch=plan.microbatch,
         hbm_bytes=plan.chip.hbm_bytes,
         usable_bytes=plan.usable_bytes,
     )
     # Shardings first, outside the mesh: optax builds them from a small eager init on the host.
-    step = program.compile_train_step(mesh)
+    step = program.jit_train_step(mesh, batch)
     state = program.abstract_state(mesh)
     # Token windows and their segment ids: packed documents, as the program trains on them.
-    tokens = jax.ShapeDtypeStruct(
-        (batch, seq_len + 1), jnp.int32, sharding=program.batch_sharding(mesh, batch)
-    )
+    tokens = program.batch_shape(mesh, batch)
     with jax.set_mesh(mesh), _sm_count_of(plan):
         began = time.perf_counter()
         try:
@@ -211,17 +210,7 @@ def _compile_here(program_path: str, spec_path: str, target: str, rule: str) -> 
     seconds = time.perf_counter() - began
     hlo = compiled.as_text()
     memory = compiled.memory_analysis()
-    host_bytes = memory.host_argument_size_in_bytes + memory.host_temp_size_in_bytes
-    peak = (
-        memory.argument_size_in_bytes
-        + memory.output_size_in_bytes
-        - memory.alias_size_in_bytes
-        + memory.temp_size_in_bytes
-    )
-    # XLA's own peak counts buffers offloaded to pinned host memory as well (mistral-7b on v5e-256: its peak was
-    # the arguments plus the host bytes, to 37 KB), so it is a device figure only when nothing is offloaded.
-    if not host_bytes:
-        peak = max(peak, memory.peak_memory_in_bytes)
+    peak = step_peak_bytes(memory)  # the formula the program's own check before it allocates uses
     return Report(
         **common,
         compile_seconds=seconds,
@@ -231,8 +220,8 @@ def _compile_here(program_path: str, spec_path: str, target: str, rule: str) -> 
         output_bytes=memory.output_size_in_bytes,
         alias_bytes=memory.alias_size_in_bytes,
         temp_bytes=memory.temp_size_in_bytes,
-        host_bytes=host_bytes,
-        flops_per_device=program.CONFIG["flops_per_token"] * batch * seq_len / plan.num_devices,
+        host_bytes=host_bytes(memory),
+        flops_per_device=program.config["flops_per_token"] * batch * seq_len / plan.num_devices,
         xla_flops_per_device=_xla_flops(compiled),
         **_hlo_cost_fields(hlo),
         collectives=_count(_COLLECTIVE, hlo),

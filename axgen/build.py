@@ -12,7 +12,7 @@ from axgen.ir import Graph, from_spec
 from axgen.loader import load_spec
 from axgen.passes import run_passes
 from axgen.passes.manager import AppliedPass
-from axgen.spec import MeshRule, Model, display_path
+from axgen.spec import MeshRule, Model
 
 
 @dataclass(frozen=True)
@@ -51,5 +51,5 @@ def build(spec_path: str | Path, target: str, rule: MeshRule | None = None) -> B
     if rule is not None:
         spec = spec.replace(mesh_rules=[rule, *spec.mesh_rules])
     graph, plan, passes = lowered(spec, target)
-    source = emit(graph, plan, spec, passes, display_path(str(spec_path)), output_name(target))
+    source = emit(graph, output_name(target))
     return Built(spec, target, plan, graph, passes, source)

@@ -1,221 +1,35 @@
-"""Token datasets: text, JSON Lines and Parquet inputs read as documents, and the sharded on-disk format the
-emitted training programs read (`axgen data`).
-
-A dataset is a directory of `manifest.json` and, per split ("train", "eval"), shards
-`<split>-NNNNN.tokens.npy` (every document's tokens back to back, each framed as `[bos] + tokens + [eos]`)
-with `<split>-NNNNN.docs.npy` (the exclusive end offset of each document). It is written into a temporary
-sibling directory and renamed into place at the end, so a directory at the output path is always complete.
+"""Token datasets: the documents of `axgen data`'s inputs (read by `axgen.inputs`) encoded by a tokenizer, and
+written in the format the emitted programs read (`axgen.runtime.dataset` defines it: the manifest, the shards'
+names and contents, and the reader). A dataset is written into a temporary sibling directory and renamed into
+place at the end, so a directory at the output path is always complete.
 """
 
 from __future__ import annotations
 
-import glob
 import json
-import os
 import shutil
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from axgen.files import check_replaceable, staging_dir
+from axgen.inputs import (
+    SKIPPED_EXAMPLES,
+    DataError,
+    ReadOptions,
+    Skipped,
+    expand_inputs,
+    no_documents,
+    read_texts,
+)
+from axgen.runtime import dataset
+from axgen.runtime.dataset import FORMAT, MANIFEST
+from axgen.tokenizer import LoadedTokenizer
 
-if TYPE_CHECKING:
-    from axgen.tokenizer import LoadedTokenizer
-
-FORMAT = "axgen-dataset/1"
-MANIFEST = "manifest.json"
 SPLITS = ("train", "eval")
-INPUT_SUFFIXES = (".txt", ".jsonl", ".json", ".parquet")
-SKIPPED_EXAMPLES = 10
 # The largest vocabulary whose ids fit uint16; larger ones are stored as uint32.
 UINT16_VOCAB = 65536
-PARQUET_BATCH_ROWS = 1024
-JSON_IS_JSON_LINES = " (a .json input is read as JSON Lines: one object per line)"
-
-
-class DataError(ValueError):
-    """Bad input data, tokenizer or dataset; the message is one line naming the file (and line)."""
-
-
-@dataclass(frozen=True)
-class ReadOptions:
-    """How input files become documents (the input flags of `axgen data` and `axgen tokenizer train`)."""
-
-    field: str = "text"
-    column: str = "text"
-    doc_per_line: bool = False
-    skip_bad: bool = False
-
-
-@dataclass
-class Skipped:
-    """Bad records: an error, or with `skip_bad` counted, keeping the first few reasons for the manifest."""
-
-    skip_bad: bool
-    count: int = 0
-    examples: list[str] = field(default_factory=list)
-
-    def bad(self, where: str, why: str) -> None:
-        if not self.skip_bad:
-            raise DataError(f"{where}: {why}")
-        self.count += 1
-        if len(self.examples) < SKIPPED_EXAMPLES:
-            self.examples.append(f"{where}: {why}")
-
-    def __iter__(self) -> Iterator:
-        """Unpacks as (count, examples), the form `write_dataset` takes."""
-        return iter((self.count, self.examples))
-
-
-# --- inputs -------------------------------------------------------------------------------------------------
-
-
-def expand_inputs(patterns: Iterable[str]) -> list[Path]:
-    """Files, globs (expanded here, so quoted ones work) and directories (searched recursively for input
-    files), as one sorted list: the order documents are read in, which the seeded eval split depends on."""
-    files = set()
-    for pattern in patterns:
-        # A path that exists is taken as it is, even when its name holds glob characters such as [ ].
-        matches = [pattern] if os.path.lexists(pattern) else sorted(glob.glob(pattern, recursive=True))
-        if not matches:
-            raise DataError(f"{pattern}: no input files matched")
-        for match in map(Path, matches):
-            files.update(_input_files(match) if match.is_dir() else [_input_file(match)])
-    return sorted(files)
-
-
-def _input_files(directory: Path) -> list[Path]:
-    found = [p for p in directory.rglob("*") if p.suffix.lower() in INPUT_SUFFIXES and p.is_file()]
-    if not found:
-        raise DataError(f"{directory}: no {_suffix_list()} files in this directory")
-    return found
-
-
-def _input_file(path: Path) -> Path:
-    if path.suffix.lower() not in INPUT_SUFFIXES:
-        raise DataError(f"{path}: not an input file type (expected {_suffix_list()})")
-    return path
-
-
-def _suffix_list() -> str:
-    return ", ".join(INPUT_SUFFIXES[:-1]) + " or " + INPUT_SUFFIXES[-1]
-
-
-def read_texts(files: Iterable[Path], options: ReadOptions, skipped: Skipped) -> Iterator[str]:
-    """The non-empty documents of the files, in order."""
-    readers = {".txt": _plain_text, ".jsonl": _json_lines, ".json": _json_lines, ".parquet": _parquet}
-    for path in files:
-        for text in readers[path.suffix.lower()](path, options, skipped):
-            if text:
-                yield text
-
-
-def _plain_text(path: Path, options: ReadOptions, skipped: Skipped) -> Iterator[str]:
-    if options.doc_per_line:
-        with _open(path) as lines:
-            for number, line in enumerate(lines, 1):
-                text = _decoded(line, f"{path}:{number}", skipped)
-                if text is not None and text.strip():
-                    yield text.rstrip("\r\n")
-        return
-    with _open(path) as file:
-        data = file.read()
-    try:
-        text = data.decode()
-    except UnicodeDecodeError as err:
-        skipped.bad(f"{path}:{data.count(b'\n', 0, err.start) + 1}", _not_utf8(err))
-        return
-    yield text
-
-
-def _json_lines(path: Path, options: ReadOptions, skipped: Skipped) -> Iterator[str]:
-    with _open(path) as lines:
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except UnicodeDecodeError as err:
-                skipped.bad(where, _not_utf8(err))
-                continue
-            except json.JSONDecodeError as err:
-                hint = JSON_IS_JSON_LINES if path.suffix.lower() == ".json" else ""
-                skipped.bad(where, f"not valid JSON: {err.msg}: column {err.colno}{hint}")
-                continue
-            text = record.get(options.field) if isinstance(record, dict) else None
-            if isinstance(text, str):
-                yield text
-            else:
-                skipped.bad(where, _no_string_field(record, options.field))
-
-
-def _no_string_field(record: object, name: str) -> str:
-    if not isinstance(record, dict):
-        return f'a JSON {_json_type(record)}, not an object with a string field "{name}"'
-    if name in record:
-        return f'field "{name}" is a JSON {_json_type(record[name])}, not a string; pass --field'
-    return f'no string field "{name}" (keys: {", ".join(record) or "none"}); pass --field'
-
-
-def _json_type(value: object) -> str:
-    types = {list: "array", str: "string", bool: "boolean", int: "number", float: "number", dict: "object"}
-    return types.get(type(value), "null")
-
-
-def _parquet(path: Path, options: ReadOptions, skipped: Skipped) -> Iterator[str]:
-    """Reads the text column batch by batch, so a file larger than memory streams through."""
-    try:
-        file = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as err:
-        raise DataError(f"{path}: not a readable Parquet file: {_first_line(err)}") from None
-    schema = file.schema_arrow
-    if options.column not in schema.names:
-        raise DataError(
-            f'{path}: no column "{options.column}" (columns: {", ".join(schema.names)}); pass --column'
-        )
-    kind = schema.field(options.column).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)):
-        raise DataError(f'{path}: column "{options.column}" holds {kind}, not strings; pass --column')
-    row = 0
-    try:
-        for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[options.column]):
-            for text in batch.column(0).to_pylist():
-                if text is None:
-                    skipped.bad(f"{path}: row {row}", f'"{options.column}" is null')
-                else:
-                    yield text
-                row += 1
-    except pa.ArrowException as err:
-        raise DataError(f"{path}: unreadable after row {row}: {_first_line(err)}") from None
-
-
-def _open(path: Path) -> BinaryIO:
-    try:
-        return path.open("rb")
-    except OSError as err:
-        raise DataError(f"{path}: cannot read: {err.strerror}") from None
-
-
-def _decoded(line: bytes, where: str, skipped: Skipped) -> str | None:
-    try:
-        return line.decode()
-    except UnicodeDecodeError as err:
-        skipped.bad(where, _not_utf8(err))
-        return None
-
-
-def _not_utf8(err: UnicodeDecodeError) -> str:
-    return f"not valid UTF-8 (byte 0x{err.object[err.start]:02x} at offset {err.start})"
-
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
 
 
 # --- tokenizing inputs into a dataset -----------------------------------------------------------------------
@@ -356,15 +170,6 @@ def _check_split_sizes(splits: dict, sources: list[str], skipped_count: int) -> 
         raise DataError(f"all {total} documents went to the eval split; lower the eval fraction or add data")
 
 
-def no_documents(sources: list[str], skipped_count: int) -> DataError:
-    """The error for inputs that hold no text, naming the first input file."""
-    where = sources[0] if sources else "the inputs"
-    if len(sources) > 1:
-        where += f" and {len(sources) - 1} more files"
-    also = f" ({skipped_count} bad records skipped)" if skipped_count else ""
-    return DataError(f"no documents in {where}{also}")
-
-
 def _publish(staging: Path, out_dir: Path, overwrite: bool) -> None:
     """Renames the finished directory into place; a dataset it replaces is moved aside first and removed
     after, so the path never holds a partial one."""
@@ -437,13 +242,12 @@ class _SplitWriter:
                 f"token id {bad} in the {self.split} split is outside the vocabulary of {self.vocab_size}"
             )
         ends = np.cumsum([len(doc) + self.framing for doc in self.pending], dtype=np.int64)
-        stem = f"{self.split}-{len(self.shards):05d}"
-        np.save(self.directory / f"{stem}.tokens.npy", tokens.astype(self.token_dtype, copy=False))
-        np.save(self.directory / f"{stem}.docs.npy", ends)
+        files = dataset.shard_files(self.split, len(self.shards))
+        np.save(self.directory / files["tokens"], tokens.astype(self.token_dtype, copy=False))
+        np.save(self.directory / files["docs"], ends)
         self.shards.append(
             {
-                "tokens": f"{stem}.tokens.npy",
-                "docs": f"{stem}.docs.npy",
+                **files,
                 "num_documents": len(self.pending),
                 "num_tokens": len(tokens),
                 "max_token_id": high,
@@ -453,20 +257,8 @@ class _SplitWriter:
 
 
 def read_manifest(dir: Path) -> dict:
-    """The manifest of a dataset directory, checked to be one this format describes."""
-    directory = Path(dir)
-    path = directory / MANIFEST
-    if not directory.is_dir():
-        raise DataError(f"{directory}: no such dataset directory")
+    """The manifest of a dataset directory, checked by the reader the programs use."""
     try:
-        manifest = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DataError(f"{path}: missing; not a dataset (write one with `axgen data`)") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise DataError(f"{path}: cannot read: {_first_line(err)}") from None
-    except json.JSONDecodeError as err:
-        raise DataError(f"{path}:{err.lineno}: not valid JSON: {err.msg}") from None
-    found = manifest.get("format") if isinstance(manifest, dict) else None
-    if found != FORMAT:
-        raise DataError(f'{path}: format {json.dumps(found)}, expected "{FORMAT}"')
-    return manifest
+        return dataset.read_manifest(Path(dir))
+    except dataset.DatasetError as err:
+        raise DataError(str(err)) from None

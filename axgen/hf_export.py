@@ -20,6 +20,7 @@ import numpy as np
 from axgen.files import check_replaceable, staging_dir
 from axgen.hf_weights import DTYPES
 from axgen.interop import CheckpointError, host_jax, iter_hf_tensors
+from axgen.runtime.checkpoints import host_checksum
 from axgen.spec import Model
 
 ARCHITECTURES = {
@@ -223,21 +224,6 @@ def _verify(params: dict, checksums: dict[str, int]) -> None:
         name = jax.tree_util.keystr(path)
         if checksums.get(name) != host_checksum(array):
             raise CheckpointError(f"the checksum of state{name} differs from the one saved with it")
-
-
-_CHECKSUM_WORDS = {1: np.uint8, 2: np.uint16, 4: np.uint32}
-
-
-def host_checksum(array: np.ndarray, block: int = 1 << 24) -> int:
-    """The emitted program's `checksum` of an array, computed on the host a block at a time: each word of its
-    bits times an odd weight set by its place, summed modulo 2**32."""
-    words = np.ascontiguousarray(array).reshape(-1).view(_CHECKSUM_WORDS[array.dtype.itemsize])
-    total = 0
-    for start in range(0, words.size, block):
-        chunk = words[start : start + block].astype(np.uint32)
-        weights = 2 * np.arange(start, start + chunk.size, dtype=np.uint64).astype(np.uint32) + np.uint32(1)
-        total = (total + int(np.sum(chunk * weights, dtype=np.uint32))) % 2**32
-    return total
 
 
 def export_hf(

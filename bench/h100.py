@@ -232,6 +232,8 @@ def _results(directory: Path) -> dict:
 def _measure(directory: Path, row: dict, options: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="h100-run-") as run_dir:
         env = dict(os.environ, XLA_FLAGS=row["flags"]) if row["flags"] else dict(os.environ)
+        # The programs run on axgen's runtime from this checkout: the H100 machine has no axgen installed.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         argv = [sys.executable, str(directory / row["program"]), "--data", str(directory / "data")]
         argv += ["--run-dir", run_dir, "--steps", str(options.steps), "--log-every", str(options.log_every)]
         began = time.monotonic()

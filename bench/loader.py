@@ -31,8 +31,10 @@ import numpy as np
 
 from axgen.data import write_dataset
 from axgen.interop import load_program
+from axgen.runtime import dataset
+from axgen.runtime.program import Program
 
-# Any emitted program's loader will do (their data sections are the same); this one's vocab fits 32000 tokens.
+# The runtime's loader, fed as this program's runs are fed (its vocab fits 32000 tokens).
 ROOT = Path(__file__).resolve().parent.parent
 WIDE_PROGRAM = ROOT / "generated/llama2_7b/cpu_8.py"
 TINY_PROGRAM = ROOT / "generated/llama_tiny/cpu_1.py"
@@ -122,11 +124,11 @@ def read_options(threads):
 
 def loader_rates(program, directory, seconds):
     """tokens/s of each loader at SEQ_LEN x GLOBAL_BATCH, by name."""
-    split = program.PackedSplit(str(directory), "train", SEQ_LEN)
-    batches = program.Batches(split, GLOBAL_BATCH, SEED)
+    split = dataset.PackedSplit(str(directory), "train", SEQ_LEN)
+    batches = dataset.Batches(split, GLOBAL_BATCH, SEED, vocab_size=program.CONFIG["vocab_size"])
     loaders = {
         "memmap Batches.local_batch": lambda: map(batches.local_batch, itertools.count()),
-        "memmap + prefetched": lambda: program.prefetched(batches.local_batch, itertools.count()),
+        "memmap + prefetched": lambda: dataset.prefetched(batches.local_batch, itertools.count()),
     }
     for threads in GRAIN_THREADS:
         options = read_options(threads)
@@ -150,8 +152,8 @@ def same_batches(a, b):
 def check_same_windows(program, directory):
     """grain made to read the memmap reader's order (its epoch-0 permutation as the source of window indices)
     returns the batches Batches.local_batch does: both do the same work."""
-    split = program.PackedSplit(str(directory), "train", SEQ_LEN)
-    batches = program.Batches(split, GLOBAL_BATCH, SEED)
+    split = dataset.PackedSplit(str(directory), "train", SEQ_LEN)
+    batches = dataset.Batches(split, GLOBAL_BATCH, SEED, vocab_size=program.CONFIG["vocab_size"])
     in_order = grain.MapDataset.source(batches.order(0)).map(split.window).batch(GLOBAL_BATCH)
     iterator = iter(in_order.to_iter_dataset(read_options(2)))
     for step in range(3):
@@ -163,11 +165,11 @@ def check_same_windows(program, directory):
 def check_resume(program, directory):
     """Each loader, started again from its checkpoint, returns the batch the first run would have: the memmap
     reader's checkpoint is the step; grain's is its iterator's get_state()."""
-    split = program.PackedSplit(str(directory), "train", SEQ_LEN)
+    split = dataset.PackedSplit(str(directory), "train", SEQ_LEN)
     step = 5
-    first_run = program.Batches(split, GLOBAL_BATCH, SEED)
+    first_run = dataset.Batches(split, GLOBAL_BATCH, SEED, vocab_size=program.CONFIG["vocab_size"])
     expected = [first_run.local_batch(s) for s in range(step + 1)][step]
-    resumed = program.Batches(split, GLOBAL_BATCH, SEED)
+    resumed = dataset.Batches(split, GLOBAL_BATCH, SEED, vocab_size=program.CONFIG["vocab_size"])
     assert same_batches(
         resumed.local_batch(step), expected
     ), f"memmap reader resumed at {step} to another batch"
@@ -201,21 +203,23 @@ def step_time_ratio(program, directory):
     """Median step time fed by prefetched(Batches.local_batch) over median step time on a constant batch
     already on device, for llama_tiny on CPU. The two kinds of step alternate, one each at a time, so the load
     of a busy machine falls on both alike; medians drop the steps another process interrupted."""
-    batches = program.Batches(
-        program.PackedSplit(str(directory), "train", program.CONFIG["seq_len"]),
+    batches = dataset.Batches(
+        dataset.PackedSplit(str(directory), "train", program.CONFIG["seq_len"]),
         program.CONFIG["global_batch"],
         SEED,
+        vocab_size=program.CONFIG["vocab_size"],
     )
     constant = itertools.repeat(tuple(jnp.asarray(x) for x in batches.local_batch(0)))
-    loaded = program.prefetched(batches.local_batch, itertools.count())
+    loaded = dataset.prefetched(batches.local_batch, itertools.count())
     feeds = {
         "synthetic": constant,
         "real": (tuple(jnp.asarray(x) for x in batch) for batch in loaded),
     }
     times = {name: [] for name in feeds}
-    with jax.set_mesh(program.make_mesh()):
+    runnable = Program.from_module(program)
+    with jax.set_mesh(runnable.make_mesh()):
         step_fn = jax.jit(program.train_step, donate_argnums=0)
-        state = jax.jit(program.init_state)(jax.random.key(SEED))
+        state = jax.jit(runnable.init_state)(jax.random.key(SEED))
         for _ in range(WARMUP_STEPS):  # compiles; starts the prefetch thread
             for feed in feeds.values():
                 state, _ = timed_step(step_fn, state, feed)

@@ -57,7 +57,13 @@ EOF
 }
 
 setup() {
-  on_all_workers "$PYTHON -m pip install --user --quiet $(pinned_packages)"
+  # The programs import axgen.runtime: the wheel of this checkout, installed without the compiler's dependencies.
+  python3 -m pip wheel --quiet --no-deps --wheel-dir build/wheel .
+  local wheel
+  wheel=$(ls -t build/wheel/axgen-*.whl | head -n 1)
+  on_all_workers "mkdir -p $REMOTE_DIR"
+  tpu_vm scp "$wheel" "$TPU_NAME:$REMOTE_DIR/" --worker=all
+  on_all_workers "$PYTHON -m pip install --user --quiet $(pinned_packages) && $PYTHON -m pip install --user --quiet --no-deps --force-reinstall $REMOTE_DIR/$(basename "$wheel")"
 }
 
 start() {

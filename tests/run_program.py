@@ -24,6 +24,6 @@ program = load_program(program_path)
 program.NUM_HOSTS = 1
 if single_device:
     program.MESH_SHAPE = {axis: 1 for axis in program.MESH_SHAPE}
-    program.DCN_MESH_SHAPE = dict(program.MESH_SHAPE)
-    program.XLA_FLAGS = []
+    program.DCN_MESH_SHAPE = None
+    program.COMPILER_FLAGS = {}
 program.main(program_args)

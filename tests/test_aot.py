@@ -64,9 +64,11 @@ def test_h100_program_compiles_through_the_cuda_plugin_with_cudnn_attention(caps
 
 GPU_PROGRAM = ROOT / "generated/llama_tiny/gpu_h100_8.py"
 RUNTIME = (
-    "import os, sys; sys.path.insert(0, sys.argv[1]); import gpu_h100_8 as program; "
-    "program.configure_runtime(program.parse_args(['--data', '.', '--run-dir', '.'])); "
-    "print(program.MEMORY_FRACTION, os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'])"
+    "import os, sys; sys.path.insert(0, sys.argv[1]); import gpu_h100_8; "
+    "from axgen.runtime.program import Program; from axgen.runtime.run import configure_jax, parse_args; "
+    "program = Program.from_module(gpu_h100_8); "
+    "configure_jax(program, parse_args(program, ['--data', '.', '--run-dir', '.'])); "
+    "print(program.memory_fraction, os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION'])"
 )
 
 

@@ -16,6 +16,8 @@ import pytest
 from tests.conftest import ROOT
 
 from axgen.interop import load_program
+from axgen.runtime.program import Program
+from axgen.runtime.run import parse_args
 
 DEPLOY = ROOT / "deploy"
 JOBSETS = {"jobset.yaml": "google.com/tpu", "jobset-gpu.yaml": "nvidia.com/gpu"}
@@ -67,7 +69,7 @@ def parsed(module, argv: list[str], **env: str):
     saved = {name: os.environ.pop(name, None) for name in JAX_ENV}
     os.environ.update(env)
     try:
-        args = module.parse_args(argv)
+        args = parse_args(Program.from_module(module), argv)
     except SystemExit:
         pytest.fail(f"{module.__file__} refuses {argv} (its error is in the captured stderr)")
     finally:

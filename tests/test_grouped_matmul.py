@@ -47,13 +47,15 @@ def test_h100_programs_use_mosaic_gpu_tpu_programs_megablox_and_cpu_programs_rag
     assert (
         "from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu" in mixtral
     )
-    assert 'up = checkpoint_name(grouped_matmul(rows, w_up, group_sizes), "mlp_in")' in mixtral
+    # Each MoE layer passes the kernel its node was lowered to; the experts' products go through it.
+    assert "top_k=2, matmul=grouped_matmul" in mixtral
+    assert 'up = checkpoint_name(matmul(rows, w_up, group_sizes), "mlp_in")' in mixtral
     tpu = build(MIXTRAL, "tpu-v5p-256").source
     assert "experts by megablox_gmm" in tpu.splitlines()[4] and "ragged_dot_mgpu" not in tpu
     assert '"tm": 512, "tk": 1024, "tn": 1024' in tpu
     cpu = build(MIXTRAL, "cpu-8").source
     assert "grouped_matmul" not in cpu and "megablox" not in cpu
-    assert "jax.lax.ragged_dot(rows, w_up, group_sizes)" in cpu
+    assert "matmul=jax.lax.ragged_dot" in cpu and 'p["w_down"], top_k=2\n' in cpu
 
 
 def test_experts_the_kernel_cannot_tile_keep_ragged_dot_and_the_program_says_why(tmp_path):
@@ -156,7 +158,9 @@ def test_the_programs_experts_give_ragged_dots_loss_and_gradients_through_the_ke
         return grouped_matmul(*args)
 
     def loss(x, w_gate, w_up, w_down, logits):
-        out, aux = program.moe_dropless_on_device(x, logits, w_gate, w_up, w_down, top_k=2)
+        out, aux = program.moe_dropless_on_device(
+            x, logits, w_gate, w_up, w_down, top_k=2, matmul=program.grouped_matmul
+        )
         return jnp.sum(out.astype(jnp.float32) ** 2) + aux["load_balance_loss"]
 
     args = (x, layer["w_gate"], layer["w_up"], layer["w_down"], logits)

@@ -17,6 +17,7 @@ from axgen.files import write_atomically
 from axgen.cli import main as axgen
 from axgen.data import write_dataset
 from axgen.interop import hf_to_params, load_program
+from axgen.runtime.program import Program
 
 FIXTURE = ROOT / "tests/fixtures/hf_qwen2.npz"
 SPEC = ROOT / "tests/fixtures/hf_qwen2_spec.py"
@@ -65,8 +66,8 @@ def test_sharded_safetensors_restore_into_a_sharded_mesh_as_the_hf_params(dtype,
 
     program.MESH_SHAPE = {"data": 1, "fsdp": 4, "expert": 1, "model": 2}
     try:
-        mesh = program.make_mesh()
-        restored = program.restore_params(tmp_path / "ckpt", mesh)
+        mesh = Program.from_module(program).make_mesh()
+        restored = Program.from_module(program).restore_params(tmp_path / "ckpt", mesh)
     finally:
         program.MESH_SHAPE = {axis: 1 for axis in program.MESH_SHAPE}
     assert not restored["layers"]["wq"].sharding.is_fully_replicated, "restored straight into the shards"
@@ -153,7 +154,7 @@ def test_force_replaces_a_checkpoint_and_nothing_else(tmp_path, capsys):
 def test_a_non_finite_step_never_reaches_the_params_and_enough_in_a_row_stop_the_run(
     program, tmp_path, capsys
 ):
-    state = program.init_state(jax.random.key(0))
+    state = Program.from_module(program).init_state(jax.random.key(0))
     state["params"]["final_norm"] = state["params"]["final_norm"].at[0].set(np.nan)
     tokens = np.random.default_rng(0).integers(1, 128, (2, 25))
     new_state, metrics = jax.jit(program.train_step)(state, tokens)

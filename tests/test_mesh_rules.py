@@ -15,6 +15,8 @@ from axgen.interop import load_program
 from axgen.loader import load_spec
 from axgen.spec import MeshRule, Remat
 from tests.conftest import ROOT
+from axgen.runtime.program import Program
+from axgen.runtime.run import parse_args
 
 TINY = ROOT / "specs/llama_tiny.py"
 
@@ -68,9 +70,28 @@ def test_multi_slice_target_puts_slices_on_data():
     assert plan.num_devices == 512 and plan.num_hosts == 128 and plan.grad_accum_steps == 2
     source = (ROOT / "generated/llama_tiny/tpu_v5e_4x2.py").read_text()
     assert 'DCN_MESH_SHAPE = {"data": 2, "fsdp": 1, "expert": 1, "model": 1}' in source
-    assert "mesh_utils.create_hybrid_device_mesh(" in source
-    program = load_program(ROOT / "generated/llama_tiny/tpu_v5e_4x2.py")
+    program = Program.from_module(load_program(ROOT / "generated/llama_tiny/tpu_v5e_4x2.py"))
     assert dict(program.make_mesh().shape) == {"data": 2, "fsdp": 4, "expert": 1, "model": 1}
+
+
+def test_devices_of_several_slices_form_a_hybrid_mesh_with_slices_on_data(monkeypatch):
+    """On a multi-slice job (devices with a slice_index) the runtime lays each slice's devices out as the program's
+    mesh over one slice, and the slices along `data` (DCN_MESH_SHAPE)."""
+    import jax
+    import numpy as np
+    from jax.experimental import mesh_utils
+
+    program = Program.from_module(load_program(ROOT / "generated/llama_tiny/tpu_v5e_4x2.py"))
+    asked = []
+
+    def hybrid(per_slice, across_slices, devices):
+        asked.append((per_slice, across_slices, [d.slice_index for d in devices]))
+        return np.array(jax.devices()).reshape(2, 4, 1, 1)
+
+    monkeypatch.setattr(mesh_utils, "create_hybrid_device_mesh", hybrid)
+    sliced = [type("SlicedDevice", (), {"slice_index": i // 4})() for i in range(8)]
+    assert dict(program.make_mesh(sliced).shape) == {"data": 2, "fsdp": 4, "expert": 1, "model": 1}
+    assert asked == [([1, 4, 1, 1], [2, 1, 1, 1], [0, 0, 0, 0, 1, 1, 1, 1])]
 
 
 def test_spec_rules_come_before_the_backends(tmp_path):
@@ -149,7 +170,7 @@ def one_step(program, tokens):
     """One train step from the seed-0 state. fp8 amax histories start full (a history of zeros means "use this
     step's amax", which differs per microbatch), so every scale comes from the history, as after the first step.
     """
-    state = program.init_state(jax.random.key(0))
+    state = Program.from_module(program).init_state(jax.random.key(0))
     state["params"] = jax.tree_util.tree_map_with_path(
         lambda path, p: jnp.full_like(p, 4.0) if "amax_history" in jax.tree_util.keystr(path) else p,
         state["params"],
@@ -167,7 +188,7 @@ def test_gradient_accumulation_equals_the_one_pass_step(tmp_path, features):
     rule = 'MeshRule(r"cpu-1", {}, why="four passes of four sequences", microbatch=4)'
     accumulated = program_for(tmp_path, tiny_with(tmp_path, "accumulated", rule, features), "cpu-1")
     one_pass = program_for(tmp_path, tiny_with(tmp_path, "one_pass", "", features), "cpu-1")
-    assert accumulated.GRAD_ACCUM_STEPS == 4 and not hasattr(one_pass, "GRAD_ACCUM_STEPS")
+    assert accumulated.GRAD_ACCUM_STEPS == 4 and one_pass.GRAD_ACCUM_STEPS == 1
 
     tokens = jax.random.randint(jax.random.key(3), (16, 129), 0, 256)
     params, metrics = one_step(accumulated, tokens)
@@ -186,9 +207,11 @@ def test_gradient_accumulation_equals_the_one_pass_step(tmp_path, features):
 def test_a_batch_that_does_not_split_into_the_microbatches_is_refused(tmp_path, capsys):
     rule = 'MeshRule(r"cpu-1", {}, why="four passes", microbatch=4)'
     program = program_for(tmp_path, tiny_with(tmp_path, "accumulated", rule), "cpu-1")
-    assert program.parse_args(["--data", "d", "--run-dir", "c", "--batch", "8"]).batch == 8
+    assert (
+        parse_args(Program.from_module(program), ["--data", "d", "--run-dir", "c", "--batch", "8"]).batch == 8
+    )
     with pytest.raises(SystemExit):
-        program.parse_args(["--data", "d", "--run-dir", "c", "--batch", "6"])
+        parse_args(Program.from_module(program), ["--data", "d", "--run-dir", "c", "--batch", "6"])
     assert "--batch 6 does not split into GRAD_ACCUM_STEPS=4 microbatches" in capsys.readouterr().err
 
 

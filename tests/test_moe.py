@@ -15,6 +15,7 @@ from axgen.ir import cost
 from axgen.loader import load_spec
 from axgen.spec import SpecError
 from tests.conftest import ROOT, STEP_LINE, train_log
+from axgen.runtime.program import Program
 
 FIXTURES = ROOT / "tests/fixtures"
 MOE_TINY = ROOT / "specs/moe_tiny.py"
@@ -186,7 +187,7 @@ def test_sharded_moe_equals_one_device_in_loss_auxiliary_losses_and_gradients(ta
     axis_types = (jax.sharding.AxisType.Auto,) * 4
     mesh = jax.make_mesh(mesh_shape, ("data", "fsdp", "expert", "model"), axis_types=axis_types)
     with jax.set_mesh(mesh):
-        placed = jax.device_put(params, program.param_shardings(mesh))
+        placed = jax.device_put(params, Program.from_module(program).param_shardings(mesh))
         if mesh.shape["expert"] > 1:
             assert placed["moe_layers"]["w_up"].sharding.spec[:2] == (None, "expert")
         (sharded_loss, sharded_metrics), sharded_grads = jax.jit(grad_fn)(placed, tokens)

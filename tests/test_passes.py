@@ -17,6 +17,7 @@ from axgen.passes import run_passes
 from axgen.passes.manager import order
 from axgen.spec import SpecError
 from tests.conftest import ROOT
+from axgen.runtime.program import Program
 
 ALL_FEATURES = ROOT / "specs/features_tiny.py"
 
@@ -43,7 +44,7 @@ def test_ir_after_each_pass(snapshot):
 
 def test_a_program_with_every_feature_trains():
     program = load_program(ROOT / "generated/features_tiny/cpu_1.py")
-    state = program.init_state(jax.random.key(0))
+    state = Program.from_module(program).init_state(jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 256)
     step = jax.jit(program.train_step)
     first = None

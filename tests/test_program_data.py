@@ -11,6 +11,9 @@ from tests.conftest import ROOT
 
 from axgen.data import write_dataset
 from axgen.interop import load_program
+from axgen.runtime import dataset
+from axgen.runtime.program import Program
+from axgen.runtime.run import parse_args
 
 PROGRAM = ROOT / "generated/llama_tiny/cpu_1.py"
 
@@ -30,7 +33,7 @@ def test_windows_cover_every_token_once_as_a_target_with_documents_numbered(prog
     write_dataset(
         tmp_path / "d", docs, vocab_size=256, bos_id=None, eos_id=0, eval_fraction=0, shard_tokens=3000
     )
-    split = program.PackedSplit(tmp_path / "d", "train", seq_len=64)
+    split = dataset.PackedSplit(tmp_path / "d", "train", seq_len=64)
     assert len(split.shards) > 1, "the test spans shards"
 
     stream, targets = [], 0
@@ -50,34 +53,44 @@ def test_windows_cover_every_token_once_as_a_target_with_documents_numbered(prog
 
 def test_order_is_seeded_per_epoch_and_shared_between_processes(program, tmp_path, monkeypatch):
     write_dataset(tmp_path / "d", documents(), vocab_size=256, bos_id=None, eos_id=0, eval_fraction=0)
-    split = program.PackedSplit(tmp_path / "d", "train", seq_len=32)
-    batches = program.Batches(split, global_batch=8, seed=3)
+    split = dataset.PackedSplit(tmp_path / "d", "train", seq_len=32)
+    batches = dataset.Batches(split, global_batch=8, seed=3, vocab_size=program.CONFIG["vocab_size"])
     steps_per_epoch = len(split) // 8
     epoch = [tuple(map(tuple, batches.local_batch(step)[0])) for step in range(steps_per_epoch)]
     assert (
         len({row for batch in epoch for row in batch}) == steps_per_epoch * 8
     ), "no window twice in an epoch"
-    again = program.Batches(split, global_batch=8, seed=3).local_batch(steps_per_epoch + 1)[0]
+    again = dataset.Batches(
+        split, global_batch=8, seed=3, vocab_size=program.CONFIG["vocab_size"]
+    ).local_batch(steps_per_epoch + 1)[0]
     assert not np.array_equal(again, batches.local_batch(1)[0]), "each epoch draws a new order"
     np.testing.assert_array_equal(
-        program.Batches(split, 8, seed=3).local_batch(5)[0], batches.local_batch(5)[0]
+        dataset.Batches(split, 8, seed=3, vocab_size=program.CONFIG["vocab_size"]).local_batch(5)[0],
+        batches.local_batch(5)[0],
     )
-    assert not np.array_equal(program.Batches(split, 8, seed=4).local_batch(5)[0], batches.local_batch(5)[0])
+    assert not np.array_equal(
+        dataset.Batches(split, 8, seed=4, vocab_size=program.CONFIG["vocab_size"]).local_batch(5)[0],
+        batches.local_batch(5)[0],
+    )
 
     whole = batches.local_batch(7)[0]
     monkeypatch.setattr(program.jax, "process_count", lambda: 2)
     shares = []
     for index in (0, 1):
         monkeypatch.setattr(program.jax, "process_index", lambda index=index: index)
-        shares.append(program.Batches(split, 8, seed=3).local_batch(7)[0])
+        shares.append(
+            dataset.Batches(split, 8, seed=3, vocab_size=program.CONFIG["vocab_size"]).local_batch(7)[0]
+        )
     np.testing.assert_array_equal(np.concatenate(shares), whole)
 
 
 def test_without_document_masking_rows_are_one_segment_and_padding_stays_out(program, tmp_path):
     write_dataset(tmp_path / "d", documents(3), vocab_size=256, bos_id=None, eos_id=0, eval_fraction=0)
-    split = program.PackedSplit(tmp_path / "d", "train", seq_len=512)
-    _, masked = program.Batches(split, 1, seed=0).local_batch(0)
-    _, merged = program.Batches(split, 1, seed=0, documents=False).local_batch(0)
+    split = dataset.PackedSplit(tmp_path / "d", "train", seq_len=512)
+    _, masked = dataset.Batches(split, 1, seed=0, vocab_size=program.CONFIG["vocab_size"]).local_batch(0)
+    _, merged = dataset.Batches(
+        split, 1, seed=0, vocab_size=program.CONFIG["vocab_size"], documents=False
+    ).local_batch(0)
     assert masked.max() > 1 and set(np.unique(merged)) <= {0, 1}
     np.testing.assert_array_equal(merged == 0, masked == 0)
 
@@ -120,9 +133,9 @@ def test_a_token_the_manifest_hides_never_reaches_the_embedding(program, tmp_pat
     np.save(
         tmp_path / "d/train-00000.tokens.npy", np.array([3, 700, 5, 0], np.uint16)
     )  # the manifest says max 5
-    split = program.PackedSplit(tmp_path / "d", "train", seq_len=4)
-    with pytest.raises(SystemExit, match="step 0 holds token 700 >= vocab_size=512"):
-        program.Batches(split, 1, seed=0).local_batch(0)
+    split = dataset.PackedSplit(tmp_path / "d", "train", seq_len=4)
+    with pytest.raises(dataset.DatasetError, match="step 0 holds token 700 >= vocab_size=512"):
+        dataset.Batches(split, 1, seed=0, vocab_size=program.CONFIG["vocab_size"]).local_batch(0)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "missing", "resized"])
@@ -139,9 +152,10 @@ def test_a_damaged_shard_is_named(program, tmp_path, damage):
 
 
 def test_a_directory_that_is_not_a_dataset_is_named(program, tmp_path):
-    assert f"{tmp_path} is not a dataset: it has no manifest.json" in run_main(program, "--data", tmp_path)
+    # The same words as `axgen data` and `axgen report` use: one reader of the format.
+    assert f"{tmp_path / 'manifest.json'}: missing; not a dataset" in run_main(program, "--data", tmp_path)
     (tmp_path / "manifest.json").write_text("{not json")
-    assert f"{tmp_path / 'manifest.json'} is unreadable" in run_main(program, "--data", tmp_path)
+    assert f"{tmp_path / 'manifest.json'}:1: not valid JSON" in run_main(program, "--data", tmp_path)
 
 
 def test_evaluation_needs_an_eval_split(program, tmp_path):
@@ -162,7 +176,7 @@ def test_evaluation_needs_an_eval_split(program, tmp_path):
 )
 def test_a_bad_flag_exits_2_with_one_line(program, flag, value, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        program.parse_args(["--data", "d", "--run-dir", "r", flag, value])
+        parse_args(Program.from_module(program), ["--data", "d", "--run-dir", "r", flag, value])
     assert exit_info.value.code == 2
     [line] = capsys.readouterr().err.splitlines()
     assert line.endswith(message)

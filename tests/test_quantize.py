@@ -14,6 +14,8 @@ from axgen.interop import load_program
 from axgen.passes import PassError
 from axgen.spec import SpecError
 from tests.conftest import ROOT
+from axgen.runtime import dataset
+from axgen.runtime.program import Program
 
 NAMES = itertools.count()
 
@@ -99,9 +101,9 @@ def test_gradients_pass_straight_through(programs, dtype):
 
 
 def train_losses(program, corpus, steps=30, batch=8):
-    split = program.PackedSplit(corpus, "train", program.CONFIG["seq_len"])
-    data = program.Batches(split, batch, seed=0)
-    state = program.init_state(jax.random.key(0))
+    split = dataset.PackedSplit(corpus, "train", program.CONFIG["seq_len"])
+    data = dataset.Batches(split, batch, seed=0, vocab_size=program.CONFIG["vocab_size"])
+    state = Program.from_module(program).init_state(jax.random.key(0))
     step = jax.jit(program.train_step)
     losses = []
     for i in range(steps):
@@ -121,7 +123,7 @@ def test_each_dtype_trains_within_ten_percent_of_the_unquantized_run(programs, c
 def test_delayed_scaling_keeps_a_history_of_amaxes_that_the_optimizer_leaves_alone(programs):
     program = programs["fp8_delayed"]
     assert not program.PARAMS["layers"]["q_amax_history"].trained
-    state = program.init_state(jax.random.key(0))
+    state = Program.from_module(program).init_state(jax.random.key(0))
     wq = np.asarray(state["params"]["layers"]["wq"])
     tokens = jax.random.randint(jax.random.key(1), (2, 17), 0, 256)
     step = jax.jit(program.train_step)

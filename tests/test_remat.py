@@ -89,7 +89,7 @@ def test_each_policy_saves_different_residuals(programs, batch):
 
 def test_backend_default_applies_and_the_spec_overrides_it(tmp_path):
     tpu = build(ROOT / "specs/llama_tiny.py", "tpu-v5e-8").source
-    assert "remat(policy=save_dots_except_mlp) (default of backends/tpu.py:" in tpu
+    assert "remat(policy=save_dots_except_mlp) (backends/tpu.py: remat default)" in tpu
     assert 'REMAT_POLICY = jax.checkpoint_policies.save_only_these_names("qkv_proj", "out_proj")' in tpu
     path = tmp_path / "no_remat.py"
     path.write_text(

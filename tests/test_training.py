@@ -12,6 +12,7 @@ from tests.conftest import ROOT, program_args, python_result, train, train_log
 
 from axgen.cli import main as axgen
 from axgen.interop import load_program
+from axgen.runtime.program import Program
 
 CPU_8 = ROOT / "generated/llama_tiny/cpu_8.py"
 CPU_1 = ROOT / "generated/llama_tiny/cpu_1.py"
@@ -67,10 +68,10 @@ def test_sharded_forward_equals_single_device_forward():
     tokens = jax.random.randint(jax.random.key(2), (8, 32), 0, 256)
     single = program.forward(params, tokens)
 
-    mesh = program.make_mesh()
+    mesh = Program.from_module(program).make_mesh()
     assert mesh.devices.size == 8
     with jax.set_mesh(mesh):
-        sharded_params = jax.device_put(params, program.param_shardings(mesh))
+        sharded_params = jax.device_put(params, Program.from_module(program).param_shardings(mesh))
         assert not sharded_params["layers"]["wq"].sharding.is_fully_replicated
         sharded = jax.jit(program.forward)(sharded_params, tokens)
     np.testing.assert_allclose(np.asarray(sharded), np.asarray(single), rtol=1e-5, atol=1e-5)

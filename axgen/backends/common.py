@@ -42,7 +42,12 @@ KERNEL_OPTIONS: dict[str, frozenset[str]] = {
 # How each kernel is told where the documents of a packed sequence end: splash takes segment ids and masks by them
 # inside the kernel; jax.nn.dot_product_attention (XLA, and cuDNN through it) takes a dense [batch, 1, seq, seq]
 # mask, which cuDNN applies as a bias.
-DOCUMENT_MASKS: dict[str, str] = {"xla": "dense", "splash": "segment_ids", "cudnn": "dense"}
+DOCUMENT_MASKS: dict[str, str] = {
+    "xla": "dense",
+    "xla_softcap": "dense",
+    "splash": "segment_ids",
+    "cudnn": "dense",
+}
 
 
 @dataclass(frozen=True)
@@ -124,6 +129,7 @@ class Plan:
     xla_flags: tuple[str, ...]
     topology: str | None  # for ahead-of-time compilation; None: fake CPU devices with this mesh
     remat: Remat | None  # the rule's or the backend's default, for blocks whose spec names no policy
+    remat_source: str | None  # where that default was set, by file and name: what the program prints
     quantize_dtype: str  # what a quantized dot whose spec names no dtype becomes
     grouped_matmul: GroupedMatmul | None
     memory_fraction: float | None
@@ -188,6 +194,7 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
         xla_flags=family.xla_flags + rule.xla_flags,
         topology=family.topology(per_slice) if family.topology else None,
         remat=rule.remat or family.remat,
+        remat_source=_remat_source(rule, family),
         quantize_dtype=rule.quantize_dtype or family.quantize_dtype,
         grouped_matmul=family.grouped_matmul,
         memory_fraction=rule.memory_fraction or family.memory_fraction,
@@ -195,6 +202,14 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
     _check_attention(plan, family, spec)
     _check_capabilities(plan, spec)
     return plan
+
+
+def _remat_source(rule: MeshRule, family: Family) -> str | None:
+    """`backends/gpu.py: remat default`, or the mesh rule that overrides it, named as an emitted program names
+    where a choice came from: by file and name, without a line."""
+    if rule.remat is not None:
+        return rule.provenance
+    return family.remat.origin.provenance("remat default") if family.remat is not None else None
 
 
 def _mesh_shape(rule: MeshRule, num_devices: int, slices: int, target: str) -> tuple[tuple[str, int], ...]:

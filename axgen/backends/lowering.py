@@ -1,8 +1,10 @@
 """Target lowering: after the feature passes, each step writes one kind of target decision into the graph.
 
-`axgen graph SPEC --target T --after lowering` shows the result; the printer renders it and decides nothing. The
-steps run in the order listed in `STEPS`; each reads the plan (the mesh rule's and the backend's choices) and
-rewrites nodes, regions or the graph's own attrs through the Graph API.
+`axgen graph SPEC --target T --after lowering` shows the result; the printer renders it and decides nothing: its
+templates branch only on a node's op and attrs and on the program-level values these steps put in the graph's
+attrs (tests/test_templates.py holds them to that). The steps run in the order listed in `STEPS`; each reads the
+plan (the mesh rule's and the backend's choices) and rewrites nodes, regions or the graph's own attrs through the
+Graph API.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import math
 from collections.abc import Callable
 
 from axgen.backends.common import DOCUMENT_MASKS, KERNEL_OPTIONS, Plan
-from axgen.ir import Graph, GraphError, Node, ScanCall
+from axgen.ir import Graph, GraphError, Node, ScanCall, cost
 from axgen.ir.ops import ScanAttrs
 from axgen.spec import REMAT_POLICIES
 
@@ -20,18 +22,34 @@ from axgen.spec import REMAT_POLICIES
 CONSTRAINED_OPS = ("embed", "add", "lm_head")
 
 
+def target(g: Graph, plan: Plan) -> None:
+    """What the program states of its target: the devices and the mesh rule that shaped them, the platform, dtype,
+    compiler flags and allocator share, the chip's peak for MFU, and how many hosts a job has."""
+    g.attrs["target"] = plan.target
+    g.attrs["backend_file"] = plan.backend_file
+    g.attrs["devices"] = f"{plan.num_devices} x {plan.chip.name}"
+    g.attrs["mesh_rule"] = f"{plan.rule.provenance}: {plan.rule.why}"
+    g.attrs["platform"] = plan.platform
+    g.attrs["num_hosts"] = plan.num_hosts
+    g.attrs["compute_dtype"] = plan.compute_dtype
+    g.attrs["chip"] = plan.chip.name
+    g.attrs["peak_flops_per_device"] = plan.chip.peak_bf16_flops
+    g.attrs["compiler_flags"] = {plan.flags_variable: plan.xla_flags}
+    g.attrs["memory_fraction"] = plan.memory_fraction
+
+
 def mesh(g: Graph, plan: Plan) -> None:
-    """The mesh, its batch split into microbatches, the logical-axis rules for the axes this program uses, and the
-    share of each device's memory its allocator takes."""
+    """The mesh (and how slices split it), the batch split into microbatches, and the logical-axis rules for the
+    axes this program uses."""
     types = [n.type for n in g.nodes()] + [p.type for n in g.nodes() for p in n.params.values()]
     used = {axis for t in types for axis in t.axes} | {"layers"}  # stacked block params add `layers`
     g.attrs["mesh"] = dict(plan.mesh)
-    g.attrs["microbatches"] = f"{plan.grad_accum_steps}x{plan.microbatch}"
+    g.attrs["dcn_mesh"] = dict(plan.dcn_mesh) if plan.num_slices > 1 else None
+    g.attrs["grad_accum_steps"] = plan.grad_accum_steps
+    g.attrs["microbatch"] = plan.microbatch
     g.attrs["logical_axis_rules"] = {
         axis: mesh_axes for axis, mesh_axes in plan.logical_axis_rules if axis in used
     }
-    if plan.memory_fraction:
-        g.attrs["memory_fraction"] = plan.memory_fraction
 
 
 def shard(g: Graph, plan: Plan) -> None:
@@ -41,13 +59,18 @@ def shard(g: Graph, plan: Plan) -> None:
 
 
 def attention_kernel(g: Graph, plan: Plan) -> None:
-    """The target's kernel, or XLA's path for an attention that needs what the kernel lacks, and how that kernel
-    keeps each query inside its document."""
+    """The target's kernel, or XLA's path for an attention that needs what the kernel lacks (a soft-cap takes
+    plain XLA ops: jax.nn.dot_product_attention has none), and how that kernel keeps each query inside its
+    document. The splash kernel's block length is the program's SPLASH_BLOCK."""
     for node in g.nodes(op="attention"):
         needs = {name for name in KERNEL_OPTIONS["xla"] if getattr(node.attrs, name) is not None}
         kernel = plan.attention if needs <= KERNEL_OPTIONS[plan.attention] else "xla"
+        if kernel == "xla" and node.attrs.softcap is not None:
+            kernel = "xla_softcap"
         block = plan.attention_block if kernel == "splash" else None
         g.update(node, kernel=kernel, block=block, document_mask=DOCUMENT_MASKS[kernel])
+    blocks = {n.attrs.block for n in g.nodes(op="attention") if n.attrs.block}
+    g.attrs["splash_block"] = _one(blocks, "splash block lengths")
 
 
 def dot_kind(g: Graph, plan: Plan) -> None:
@@ -75,25 +98,48 @@ def grouped_matmul(g: Graph, plan: Plan) -> None:
                 node, grouped_matmul="ragged_dot", grouped_matmul_why=f"{plan.grouped_matmul.kernel}: {tiles}"
             )
         else:
-            g.update(node, grouped_matmul=plan.grouped_matmul.kernel, tiles=tuple(tiles.items()))
+            # megablox's outputs name no mesh axes they vary over, which shard_map's check refuses; unchecked, values
+            # and gradients are the same (JEP 17111).
+            g.update(
+                node,
+                grouped_matmul=plan.grouped_matmul.kernel,
+                tiles=tuple(tiles.items()),
+                tiles_source=f"{plan.backend_file}: grouped_matmul_tiles",
+                check_vma=plan.grouped_matmul.kernel != "megablox_gmm",
+            )
 
 
 def remat(g: Graph, plan: Plan) -> None:
-    """Each block's policy: the spec's, else the target's default. Under a policy, every projection's output gets
-    its role as its checkpoint name, the experts' products too, which the policy saves, offloads or recomputes by.
-    """
+    """Each block's policy: the spec's, else the target's default; the program's one policy (`remat_policy`:
+    what it saves and offloads by checkpoint name, and why) when any block checkpoints. Under a policy, every
+    projection's output gets its role as its checkpoint name, the experts' products too, which the policy saves,
+    offloads or recomputes by."""
     for region in g.blocks():
         if "remat" not in region.attrs and plan.remat is not None:
-            g.set_region_attrs(
-                region.name, remat=plan.remat.policy, remat_source=f"default of {plan.remat.origin}"
-            )
-        if not REMAT_POLICIES[region.attrs.get("remat", "none")].checkpoint:
+            g.set_region_attrs(region.name, remat=plan.remat.policy, remat_source=plan.remat_source)
+        checkpointed = REMAT_POLICIES[region.attrs.get("remat", "none")].checkpoint
+        g.set_region_attrs(region.name, checkpointed=checkpointed)
+        if not checkpointed:
             continue
         for node in g.nodes(op="linear", region=region.name):
             if node.attrs.role:
                 g.update(node, checkpoint_name=node.attrs.role)
         for node in g.nodes(op="moe", region=region.name):
             g.update(node, checkpointed=True)
+    chosen = {(r.attrs["remat"], r.attrs.get("remat_source")) for r in g.blocks() if r.attrs["checkpointed"]}
+    policy = _one(chosen, "remat policies of the blocks")
+    if policy is None:
+        g.attrs["remat_policy"] = None
+        return
+    name, source = policy
+    described = REMAT_POLICIES[name]
+    g.attrs["remat_policy"] = {
+        "name": name,
+        "source": source,
+        "save": described.save,
+        "offload": described.offload,
+        "why": described.why,
+    }
 
 
 def scan_grouping(g: Graph, plan: Plan) -> None:
@@ -127,12 +173,67 @@ def aux_losses(g: Graph, plan: Plan) -> None:
     g.attrs["aux_metrics"] = tuple(sorted({name for n in nodes if n.op != "scan" for name in _aux(n)}))
 
 
+def kernel_switches(g: Graph, plan: Plan) -> None:
+    """The value of each test switch (ATTENTION_IMPL, GROUPED_MATMUL_IMPL) the program prints: the chip kernel
+    its nodes run, which AXGEN_XLA_KERNELS=1 swaps for the XLA path so the program runs on CPU. Plain XLA paths
+    (`xla`, `xla_softcap`, `ragged_dot`) read no switch."""
+    attention = {n.attrs.kernel for n in g.nodes(op="attention")} - {"xla_softcap"}
+    matmuls = {n.attrs.grouped_matmul for n in g.nodes(op="moe") if not n.attrs.capacity_factor} - {
+        "ragged_dot"
+    }
+    tiles = {(n.attrs.tiles, n.attrs.tiles_source) for n in g.nodes(op="moe") if n.attrs.tiles}
+    g.attrs["attention_kernel"] = _one(attention, "attention kernels")
+    g.attrs["grouped_matmul"] = _one(matmuls, "grouped matmul kernels")
+    g.attrs["grouped_matmul_tiles"] = _one(tiles, "grouped matmul tiles (experts of different widths)")
+
+
+def config(g: Graph, plan: Plan) -> None:
+    """CONFIG: the spec's facts from_spec recorded, with the parameter count and FLOPs per token of this graph."""
+    params = cost.num_params(g)
+    flops = cost.flops_per_token(g, dict((k, v) for k, v, _ in g.attrs["config"])["seq_len"])
+    g.attrs["config"] = (
+        *g.attrs["config"],
+        ("num_params", params, f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"),
+        ("flops_per_token", flops, "6 x matmul weights used + causal attention"),
+    )
+
+
+def summary(g: Graph, plan: Plan) -> None:
+    """The header's line of what the target chose: a backend's remat default, kernels, dot dtypes."""
+    chosen = [
+        f"remat(policy={policy['name']}) ({policy['source']})"
+        for policy in [g.attrs["remat_policy"]]
+        if policy and policy["source"] == plan.remat_source
+    ]
+    kernels = {(n.attrs.kernel, n.attrs.block) for n in g.nodes(op="attention")}
+    chosen += [
+        f"attention {kernel}" + (f" (blocks of {block})" if block else "")
+        for kernel, block in sorted(kernels, key=str)
+    ]
+    matmuls = {n.attrs.grouped_matmul for n in g.nodes(op="moe") if not n.attrs.capacity_factor}
+    chosen += [f"experts by {m}" for m in sorted(matmuls) if m != "ragged_dot"]
+    dots = sorted({n.attrs.quantize for n in g.nodes() if getattr(n.attrs, "quantize", None)})
+    chosen += [f"{'/'.join(dots)} dots"] if dots else []
+    g.attrs["lowering_summary"] = " · ".join(chosen) + f" ({plan.backend_file})"
+
+
+def _one(values: set, what: str):
+    """The one value a program-level constant takes, None when no node asks for one; nodes that disagree are a
+    program one constant cannot print."""
+    if len(values) > 1:
+        raise GraphError(
+            f"the program prints one of each, and its nodes need several {what}: {sorted(values)}"
+        )
+    return next(iter(values), None)
+
+
 def _aux(node: Node) -> tuple[str, ...]:
     """The auxiliary outputs a node makes itself (a scan only passes on its blocks')."""
     return () if node.op == "scan" else getattr(node.attrs, "aux", ())
 
 
 STEPS: tuple[Callable[[Graph, Plan], None], ...] = (
+    target,
     mesh,
     shard,
     attention_kernel,
@@ -141,11 +242,12 @@ STEPS: tuple[Callable[[Graph, Plan], None], ...] = (
     remat,
     scan_grouping,
     aux_losses,
+    kernel_switches,
+    config,
+    summary,
 )
 
 
 def lower(g: Graph, plan: Plan) -> None:
-    g.attrs["target"] = plan.target
-    g.attrs["backend_file"] = plan.backend_file
     for step in STEPS:
         step(g, plan)

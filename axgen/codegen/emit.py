@@ -1,7 +1,7 @@
-"""Renders a program from the graph and the plan through the templates in `templates/`.
+"""Renders a program from the lowered graph through the templates in `templates/`: the printer only prints.
 
 Each node becomes one statement, rendered by its op's macro in `templates/ops/`; a provenance comment precedes
-each run of nodes that share a spec line and passes. The result is formatted by black and parsed by libcst; a
+each run of nodes that share a spec field and passes. The result is formatted by black and parsed by libcst; a
 failure there is a compiler bug and names the template.
 """
 
@@ -9,31 +9,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.resources
 import sys
-from pathlib import Path
 
 import black
 import jinja2
 import libcst
 
 import axgen
-from axgen.backends import Plan
-from axgen.ir import OPS, Graph, Node, cost
+from axgen.ir import OPS, Graph, Node
 from axgen.ir.types import LOGICAL_AXES
-from axgen.spec import REMAT_POLICIES, Model
 
-ROOT = Path(__file__).resolve().parents[2]
-TEMPLATES = ROOT / "templates"
-
-
-def _black_mode() -> black.Mode:
-    """The project's one black configuration (pyproject.toml), for axgen's code and every program it emits."""
-    config = black.parse_pyproject_toml(str(ROOT / "pyproject.toml"))
-    versions = {black.TargetVersion[name.upper()] for name in config["target_version"]}
-    return black.Mode(line_length=config["line_length"], target_versions=versions)
-
-
-BLACK_MODE = _black_mode()
+# The templates ship inside the package (`axgen.templates`, the checkout's templates/), so a wheel emits too.
+TEMPLATES = importlib.resources.files("axgen.templates")
+# How emitted programs are formatted. `make test`'s `black --check .` reads pyproject.toml's [tool.black] for
+# generated/ too, so the two cannot drift apart unnoticed.
+BLACK_MODE = black.Mode(line_length=110, target_versions={black.TargetVersion.PY312})
 
 
 class EmitError(RuntimeError):
@@ -44,14 +35,25 @@ class EmitError(RuntimeError):
 def _environment() -> jinja2.Environment:
     """One environment per process, so each template compiles once (it reloads when its file changes)."""
     env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(TEMPLATES),
+        loader=jinja2.FileSystemLoader(str(TEMPLATES)),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
         keep_trailing_newline=True,
     )
     env.tests["stdlib_import"] = _is_stdlib_import
+    env.filters["pyrepr"] = repr  # a value as Python source, where jinja's own printing would differ
+    env.filters["one"] = _one
     return env
+
+
+def _one(values) -> object:
+    """The value every node agrees on, for a helper that all of them share; nodes that disagree are a compiler bug
+    (lowering makes one helper per choice), never settled by taking the first node's."""
+    distinct = list(dict.fromkeys(values))
+    if len(distinct) != 1:
+        raise EmitError(f"the nodes one helper prints for disagree: {distinct}")
+    return distinct[0]
 
 
 def _is_stdlib_import(line: str) -> bool:
@@ -59,112 +61,43 @@ def _is_stdlib_import(line: str) -> bool:
     return line.split()[1].split(".")[0] in sys.stdlib_module_names
 
 
-def emit(graph: Graph, plan: Plan, spec: Model, passes: list, spec_path: str, output_name: str) -> str:
+def emit(graph: Graph, output_name: str) -> str:
     """The program's source text from the lowered graph: deterministic, black-formatted, and parsed by libcst."""
     env = _environment()
-    context = _context(env, graph, plan, spec, passes, spec_path, output_name)
-    source = env.get_template("program.py.j2").render(**context)
+    source = env.get_template("program.py.j2").render(**_context(env, graph, output_name))
     try:
         formatted = black.format_str(source, mode=BLACK_MODE)
         libcst.parse_module(formatted)
     except (black.parsing.InvalidInput, libcst.ParserSyntaxError) as err:
-        raise EmitError(f"templates/program.py.j2 rendered invalid Python for {plan.target}: {err}") from None
+        raise EmitError(
+            f"templates/program.py.j2 rendered invalid Python for {graph.attrs['target']}: {err}"
+        ) from None
     return formatted
 
 
-def _context(env, graph, plan, spec, passes, spec_path, output_name) -> dict:
+def _context(env, graph: Graph, output_name: str) -> dict:
+    """What the templates print: the lowered graph's own attrs (`program`), and each node rendered by its op's
+    macro. Nothing here comes from the spec or the plan but through the graph."""
     nodes = list(graph.nodes())
     groups = [_group(scan) for scan in graph.nodes(op="scan") if scan.attrs.groups(scan.attrs.calls)]
-    remat = _remat(graph)
     return {
         "version": axgen.__version__,
-        "spec": spec,
-        "spec_path": spec_path,
+        "name": graph.name,
         "output_name": output_name,
-        "plan": plan,
-        "mesh_text": " ".join(f"{axis}={size}" for axis, size in plan.mesh),
-        "mesh_dict": repr(dict(plan.mesh)),
-        "dcn_mesh_dict": repr(dict(plan.dcn_mesh)),
-        "passes_text": " · ".join(p.feature.summary() for p in passes) or "none",
-        "lowering_text": _lowering_text(graph, plan),
-        "config": _config(spec, graph, spec_path),
+        "program": graph.attrs,
         "params_tree": _params_tree(graph),
-        "helpers": _helpers(env, nodes),
+        "helpers": _helpers(env, nodes, graph.attrs),
         "blocks": [_block(env, graph, region) for region in graph.blocks()],
         "groups": groups,
         "regroup": any(call.per_step > 1 for group in groups for call in group["calls"]),
         "main_lines": _lines(env, graph, "main", param_root="params"),
         "main_output": graph.output("main").name,
         "main_aux": [f"{scan.name}_aux" for scan in graph.nodes(op="scan") if scan.attrs.returns_aux],
-        "aux_weights": graph.attrs["aux_losses"],
         "logged_metrics": (
             ("cross_entropy", *graph.attrs["aux_metrics"]) if graph.attrs["aux_metrics"] else ()
         ),
-        "remat": remat,
-        "logical_axis_rules": list(graph.attrs["logical_axis_rules"].items()),
-        "memory_fraction": graph.attrs.get("memory_fraction"),
         "op_imports": _op_imports(env, nodes),
     }
-
-
-def _lowering_text(graph: Graph, plan: Plan) -> str:
-    """What the target chose: the header's summary of the lowered graph."""
-    chosen = [
-        f"remat(policy={region.attrs['remat']}) ({region.attrs['remat_source']})"
-        for region in graph.blocks()[:1]
-        if region.attrs.get("remat_source", "").startswith("default of")
-    ]
-    kernels = {(n.attrs.kernel, n.attrs.block) for n in graph.nodes(op="attention")}
-    chosen += [
-        f"attention {kernel}" + (f" (blocks of {block})" if block else "")
-        for kernel, block in sorted(kernels, key=str)
-    ]
-    matmuls = {n.attrs.grouped_matmul for n in graph.nodes(op="moe") if not n.attrs.capacity_factor}
-    chosen += [f"experts by {m}" for m in sorted(matmuls) if m != "ragged_dot"]
-    dots = sorted({n.attrs.quantize for n in graph.nodes() if getattr(n.attrs, "quantize", None)})
-    chosen += [f"{'/'.join(dots)} dots"] if dots else []
-    return " · ".join(chosen) + f" ({plan.backend_file})"
-
-
-def _config(spec: Model, graph: Graph, spec_path: str) -> list[tuple[str, str, str]]:
-    attn, mlp, train, opt = (
-        spec.decoder.attention,
-        spec.decoder.mlp,
-        spec.train,
-        spec.train.optimizer,
-    )
-    entries = [
-        ("model", spec.name, ""),
-        ("vocab_size", spec.vocab_size, ""),
-        ("d_model", spec.d_model, ""),
-        ("num_layers", spec.decoder.num_layers, ""),
-        ("num_heads", attn.num_heads, ""),
-        ("num_kv_heads", attn.num_kv_heads, ""),
-        ("head_dim", attn.head_dim, ""),
-        ("mlp_hidden", mlp.hidden_dim, mlp.activation),
-        ("tie_embeddings", spec.tie_embeddings, ""),
-        ("num_params", cost.num_params(graph), _count(cost.num_params(graph))),
-        ("seq_len", train.seq_len, ""),
-        ("global_batch", train.global_batch, "sequences per step, over all devices"),
-        ("steps", train.steps, "length of the learning-rate schedule"),
-        ("warmup_steps", train.warmup_steps, ""),
-        ("lr", opt.lr, "peak"),
-        ("min_lr_ratio", opt.min_lr_ratio, ""),
-        ("b1", opt.b1, ""),
-        ("b2", opt.b2, ""),
-        ("eps", opt.eps, ""),
-        ("weight_decay", opt.weight_decay, ""),
-        ("grad_clip", train.grad_clip, "global norm"),
-        ("seed", train.seed, ""),
-        ("checkpoint_every", train.checkpoint_every, "steps"),
-        ("spec", spec_path, "datasets are checked against its vocab_size"),
-        (
-            "flops_per_token",
-            cost.flops_per_token(graph, train.seq_len),
-            "6 x matmul weights used + causal attention",
-        ),
-    ]
-    return [(key, repr(value), comment) for key, value, comment in entries]
 
 
 def _params_tree(graph: Graph) -> str:
@@ -210,10 +143,6 @@ def _einsum(x_axes, w_axes, out_axes) -> str:
     return f"{letters(x_axes)},{letters(w_axes)}->{letters(out_axes)}"
 
 
-def _count(n: int) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
-
-
 def _by_template(env, nodes: list[Node]) -> list[tuple]:
     """Each op template's module with the nodes it prints, in template order."""
     by_template: dict[str, list[Node]] = {}
@@ -222,9 +151,9 @@ def _by_template(env, nodes: list[Node]) -> list[tuple]:
     return [(env.get_template(f"ops/{t}.j2").module, by_template[t]) for t in sorted(by_template)]
 
 
-def _helpers(env, nodes: list[Node]) -> list[str]:
-    """Each op template's helper functions, given the nodes it prints, in template order."""
-    helpers = [module.helpers(ops) for module, ops in _by_template(env, nodes)]
+def _helpers(env, nodes: list[Node], program: dict) -> list[str]:
+    """Each op template's helper functions, given the nodes it prints and the program's attrs, in template order."""
+    helpers = [module.helpers(ops, program) for module, ops in _by_template(env, nodes)]
     return [h.strip("\n") + "\n\n" for h in helpers if h.strip()]
 
 
@@ -244,24 +173,8 @@ def _block(env, graph: Graph, region) -> dict:
         "lines": _lines(env, graph, region.name, param_root="p"),
         "output": graph.output(region.name).name,
         "aux": _merged(list(region.attrs.get("aux", ()))),
-        "remat": _block_remat(region),
+        "checkpointed": region.attrs.get("checkpointed", False),
     }
-
-
-def _remat(graph: Graph) -> dict | None:
-    """The one jax.checkpoint policy of the program's blocks, from the remat lowering."""
-    chosen = {(r.attrs["remat"], r.attrs["remat_source"]) for r in graph.blocks() if _block_remat(r)}
-    if not chosen:
-        return None
-    if len(chosen) > 1:
-        raise EmitError(f"blocks have different remat policies: {sorted(chosen)}")
-    ((name, source),) = chosen
-    policy = REMAT_POLICIES[name]
-    return {"name": name, "source": source, "save": policy.save, "offload": policy.offload, "why": policy.why}
-
-
-def _block_remat(region) -> bool:
-    return REMAT_POLICIES[region.attrs.get("remat", "none")].checkpoint
 
 
 def _group(scan: Node) -> dict:
@@ -275,7 +188,7 @@ def _group(scan: Node) -> dict:
 
 
 def _lines(env, graph: Graph, region: str, param_root: str) -> list[str]:
-    """One statement per node, a provenance comment per run of nodes from the same spec line and passes."""
+    """One statement per node, a provenance comment per run of nodes from the same spec field and passes."""
     lines, last_provenance = [], None
     for node in graph.nodes(region=region):
         if node.op == "input":
@@ -284,14 +197,14 @@ def _lines(env, graph: Graph, region: str, param_root: str) -> list[str]:
         if provenance != last_provenance:
             lines.append(provenance)
             last_provenance = provenance
-        lines.append(_statement(env, graph, node, param_root))
+        lines += _statement(env, graph, node, param_root).splitlines()
         if node.attrs.constrain:
             lines.append(f"{node.name} = constrain({node.name}, {node.attrs.constrain!r})")
     return lines
 
 
 def _provenance(node: Node, backend_file: str) -> str:
-    """`# label · passes/made_by.py · kernel · spec line · changed by passes/x.py`: where the statement comes from."""
+    """`# label · passes/made_by.py · kernel · spec field · changed by passes/x.py`: where the statement comes from."""
     where = [node.label]
     where += [f"passes/{p}.py" for p in node.passes if p == node.label]
     if node.op == "attention":
@@ -316,7 +229,8 @@ def _statement(env, graph: Graph, node: Node, param_root: str) -> str:
         attrs["xs"] = _scan_xs(node, param_root)
     template = env.get_template(f"ops/{OPS[node.op].template}.j2").module
     statement = str(getattr(template, node.op)(node.name, attrs, args, weights)).strip()
-    return f"{statement}  # {node.type}" if "#" not in statement else statement
+    # Its shape goes on its last line, unless the template put a comment of its own there.
+    return statement if "#" in statement.splitlines()[-1] else f"{statement}  # {node.type}"
 
 
 def _scan_xs(scan: Node, param_root: str) -> str:

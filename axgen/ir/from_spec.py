@@ -1,4 +1,8 @@
-"""Lowering: a validated `Model` spec becomes a graph of a main region and one repeated decoder block."""
+"""Lowering: a validated `Model` spec becomes a graph of a main region and one repeated decoder block.
+
+Each node's `source` names the spec field it comes from, by the file that set it and its path in the model
+(`specs/llama2_7b.py: decoder.attention`), never by line: the emitted program prints it, and moving a line in a
+spec must change no program."""
 
 from __future__ import annotations
 
@@ -14,29 +18,30 @@ def from_spec(spec: Model) -> Graph:
     g = Graph(spec.name)
     g.add_region("main")
     _decoder_block(g, spec)
-    src = str(spec.origin)
+    model_file = spec.origin.file  # the inputs come from the model as a whole
+    vocab = spec.origin.provenance("vocab_size")
     embed_type = TensorType.of(("embed", spec.d_model))
     token_type = TensorType.of("batch", "seq")
-    tokens = g.add("main", "tokens", "input", source=src, label="tokens", type=token_type)
+    tokens = g.add("main", "tokens", "input", source=model_file, label="tokens", type=token_type)
     # Which document of a packed sequence each token belongs to: attention stays inside it, positions restart.
-    segment_ids = g.add("main", "segment_ids", "input", source=src, label="tokens", type=token_type)
+    segment_ids = g.add("main", "segment_ids", "input", source=model_file, label="tokens", type=token_type)
     positions = g.add(
         "main",
         "positions",
         "positions",
         {"tokens": tokens, "segment_ids": segment_ids},
-        source=src,
+        source=model_file,
         label="tokens",
     )
     table_type = TensorType.of(("vocab", spec.vocab_size)).concat(embed_type)
     table = Param("embed", table_type, decay=False, hf=HFWeight("model.embed_tokens.weight"))
-    x = g.add("main", "embed", "embed", {"tokens": tokens}, {"table": table}, source=src, label="embedding")
+    x = g.add("main", "embed", "embed", {"tokens": tokens}, {"table": table}, source=vocab, label="embedding")
     x = g.add(
         "main",
         BLOCK,
         "scan",
         {"x": x, "positions": positions, "segment_ids": segment_ids},
-        source=str(spec.decoder.origin),
+        source=spec.decoder.origin.provenance("decoder"),
         label="decoder",
         blocks=(BLOCK,),
         steps=spec.decoder.num_layers,
@@ -53,13 +58,55 @@ def from_spec(spec: Model) -> Graph:
         "lm_head",
         {"x": x},
         params,
-        source=src,
+        source=vocab,
         label="output",
         tied=spec.tie_embeddings,
         vocab=spec.vocab_size,
     )
     g.set_output(logits)
+    g.attrs["spec_file"] = model_file
+    g.attrs["config"] = _config(spec, model_file)
     return g
+
+
+def _config(spec: Model, spec_file: str) -> tuple[tuple[str, object, str], ...]:
+    """What the program's CONFIG states of the spec, as (key, value, comment): the model's shape and its
+    training settings. Lowering adds what it computes from the graph (parameter count, FLOPs per token)."""
+    attn, mlp = spec.decoder.attention, spec.decoder.mlp
+    entries = [
+        ("model", spec.name, ""),
+        ("vocab_size", spec.vocab_size, ""),
+        ("d_model", spec.d_model, ""),
+        ("num_layers", spec.decoder.num_layers, ""),
+        ("num_heads", attn.num_heads, ""),
+        ("num_kv_heads", attn.num_kv_heads, ""),
+        ("head_dim", attn.head_dim, ""),
+        ("mlp_hidden", mlp.hidden_dim, mlp.activation),
+        ("tie_embeddings", spec.tie_embeddings, ""),
+        ("spec", spec_file, "datasets are checked against its vocab_size"),
+    ]
+    train = spec.train
+    if train is None:  # a graph to inspect; building a program needs Train (the plan says so)
+        return tuple(entries)
+    opt = train.optimizer
+    return tuple(
+        entries
+        + [
+            ("seq_len", train.seq_len, ""),
+            ("global_batch", train.global_batch, "sequences per step, over all devices"),
+            ("steps", train.steps, "length of the learning-rate schedule"),
+            ("warmup_steps", train.warmup_steps, ""),
+            ("lr", opt.lr, "peak"),
+            ("min_lr_ratio", opt.min_lr_ratio, ""),
+            ("b1", opt.b1, ""),
+            ("b2", opt.b2, ""),
+            ("eps", opt.eps, ""),
+            ("weight_decay", opt.weight_decay, ""),
+            ("grad_clip", train.grad_clip, "global norm"),
+            ("seed", train.seed, ""),
+            ("checkpoint_every", train.checkpoint_every, "steps"),
+        ]
+    )
 
 
 def _decoder_block(g: Graph, spec: Model) -> None:
@@ -67,11 +114,12 @@ def _decoder_block(g: Graph, spec: Model) -> None:
     decoder, attn, mlp = spec.decoder, spec.decoder.attention, spec.decoder.mlp
     g.add_region(BLOCK, repeat=decoder.num_layers, function="decoder_layer")
     d = ("embed", spec.d_model)
+    layer = decoder.origin.provenance("decoder")
     x = g.add(
         BLOCK,
         "x",
         "input",
-        source=str(decoder.origin),
+        source=layer,
         label="decoder",
         type=TensorType.of("batch", "seq", d),
     )
@@ -82,12 +130,12 @@ def _decoder_block(g: Graph, spec: Model) -> None:
             BLOCK,
             name,
             "input",
-            source=str(decoder.origin),
+            source=layer,
             label="decoder",
             type=TensorType.of("batch", "seq"),
         )
 
-    a = str(attn.origin)
+    a = attn.origin.provenance("decoder.attention")
     h = _norm(g, BLOCK, "attn_norm", x, decoder.norm, f"{LAYER}.input_layernorm")
     heads, kv_heads, head_dim = (
         ("heads", attn.num_heads),
@@ -112,7 +160,7 @@ def _decoder_block(g: Graph, spec: Model) -> None:
     )
     x = g.add(BLOCK, "x_attn", "add", {"x": x, "y": out}, source=a, label="attention")
 
-    m = str(mlp.origin)
+    m = mlp.origin.provenance("decoder.mlp")
     h = _norm(g, BLOCK, "mlp_norm", x, decoder.norm, f"{LAYER}.post_attention_layernorm")
     hidden = ("mlp", mlp.hidden_dim)
     if mlp.activation == "swiglu":
@@ -143,7 +191,7 @@ def _linear(
 
 def _norm(g: Graph, region: str, name: str, x: Node, norm: RMSNorm | LayerNorm, hf: str) -> Node:
     last = TensorType(x.type.axes[-1:], x.type.sizes[-1:])
-    src = str(norm.origin)
+    src = norm.origin.provenance("decoder.norm")
     if isinstance(norm, RMSNorm):
         params = {"scale": Param(name, last, init="ones", decay=False, hf=HFWeight(f"{hf}.weight"))}
         return g.add(region, name, "rms_norm", {"x": x}, params, source=src, label="norm", eps=norm.eps)

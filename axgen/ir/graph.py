@@ -4,7 +4,8 @@ A block is a region with `repeat=N`: one decoder layer, emitted as a `jax.lax.sc
 pass that rewrites the block rewrites all N layers. A `scan` node runs its `blocks` in order, `steps` times: one
 block of N layers is `steps=N`; a mixed stack (dense, MoE, dense, MoE) is two blocks of N/2 layers each, run in
 turn for `steps=N/2`. Node names are unique within a region and become the emitted
-variable names. Every node records provenance: the spec line it came from and the passes that made or changed it.
+variable names. Every node records provenance: the spec field it came from (file and path, never a line) and the
+passes that made or changed it.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ class Node:
     type: TensorType
     attrs: Attrs  # the op's own dataclass (ops.py)
     params: dict[str, Param]
-    source: str  # spec file:line
-    label: str  # what the source line declares: "attention", "mlp", ... or the pass that made the node
+    source: str  # the spec field it comes from: `specs/x.py: decoder.attention`
+    label: str  # what the source declares: "attention", "mlp", ... or the pass that made the node
     passes: tuple[str, ...] = ()
 
     def __str__(self) -> str:
@@ -82,7 +83,7 @@ class Graph:
         self.name = name
         self.regions: dict[str, Region] = {}
         self.attrs: dict = {}  # what lowering decides for the whole program: mesh, sharding rules, aux losses
-        self._pass: tuple[str, str] | None = None  # (pass name, spec source) while a pass runs
+        self._pass: tuple[str, str] | None = None  # (pass name, its feature's provenance) while a pass runs
 
     # --- building -------------------------------------------------------------------------------------------------
 
@@ -195,7 +196,8 @@ class Graph:
 
     @contextlib.contextmanager
     def applying(self, pass_name: str, source: str) -> Iterator[None]:
-        """Within this scope, new and changed nodes record `pass_name` and, when new, the feature's spec line."""
+        """Within this scope, new and changed nodes record `pass_name` and, when new, `source`: the feature's
+        provenance."""
         self._pass = (pass_name, source)
         try:
             yield

@@ -85,7 +85,7 @@ def run_passes(graph: Graph, features: typing.Sequence[Feature]) -> list[Applied
     for name in order(list(by_name)):
         registered_pass = _REGISTRY[name]
         feature = by_name[name]
-        with graph.applying(name, str(feature.origin)):
+        with graph.applying(name, feature.provenance):
             try:
                 registered_pass.fn(graph, feature)
             except FeatureConflict as conflict:
@@ -95,4 +95,7 @@ def run_passes(graph: Graph, features: typing.Sequence[Feature]) -> list[Applied
                     f"({other.origin}): {conflict.reason}"
                 ) from None
         ran.append(AppliedPass(registered_pass, by_name[name]))
+    graph.attrs["passes"] = tuple(
+        applied.feature.summary() for applied in ran
+    )  # the program's header lists them
     return ran

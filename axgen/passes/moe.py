@@ -24,7 +24,9 @@ class MoEAttrs(Attrs):
     # chip's kernel was passed over for XLA's ragged_dot.
     grouped_matmul: str = "ragged_dot"
     tiles: tuple[tuple[str, int], ...] = ()
+    tiles_source: str | None = None  # the backend table the tiles come from
     grouped_matmul_why: str | None = None
+    check_vma: bool = True  # whether shard_map checks the experts' outputs name the mesh axes they vary over
     # The experts' products by the projection roles remat policies name (DotAttrs.role): under a policy, the remat
     # lowering sets `checkpointed`, and each product's output carries its role as its checkpoint name.
     roles: tuple[str, str] = ("mlp_in", "mlp_out")

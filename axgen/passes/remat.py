@@ -10,4 +10,4 @@ from axgen.spec import Remat
 @register("remat", after=("moe",))
 def remat(g: Graph, cfg: Remat) -> None:
     for region in g.blocks():
-        g.set_region_attrs(region.name, remat=cfg.policy, remat_source=str(cfg.origin))
+        g.set_region_attrs(region.name, remat=cfg.policy, remat_source=cfg.provenance)

@@ -1,29 +1,72 @@
-# --- data: packed documents from an `axgen data` directory ---------------------------------------------------
+"""The dataset format `axgen data` writes and every program reads, in one place.
 
-DATASET_FORMAT = "axgen-dataset/1"
+A dataset is a directory of `manifest.json` and, per split ("train", "eval"), shards `<split>-NNNNN.tokens.npy`
+(every document's tokens back to back, each framed as `[bos] + tokens + [eos]`) with `<split>-NNNNN.docs.npy`
+(the exclusive end offset of each document). Programs cut each shard into windows of seq_len + 1 tokens and
+number the documents in each window (segment ids), so attention and the loss never cross a document.
+"""
+
+import collections
+import concurrent.futures
+import json
+import math
+import os
+
+import jax
+import numpy as np
+
+FORMAT = "axgen-dataset/1"
+MANIFEST = "manifest.json"
 
 
-def read_manifest(directory):
-    """The dataset's manifest.json, after checking that its vocabulary fits this model's embedding."""
-    path = os.path.join(directory, "manifest.json")
+class DatasetError(ValueError):
+    """A dataset that cannot be read as FORMAT describes, or does not fit the model; the message names the file."""
+
+
+def shard_files(split: str, index: int) -> dict[str, str]:
+    """The file names of a split's shard: its tokens and its documents' end offsets."""
+    stem = f"{split}-{index:05d}"
+    return {"tokens": f"{stem}.tokens.npy", "docs": f"{stem}.docs.npy"}
+
+
+def read_manifest(directory) -> dict:
+    """The manifest of a dataset directory, checked to be one FORMAT describes."""
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.isdir(directory):
+        raise DatasetError(f"{directory}: no such dataset directory")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             manifest = json.load(f)
     except FileNotFoundError:
-        raise SystemExit(f"error: {directory} is not a dataset: it has no manifest.json (`axgen data` makes one)")
-    except (OSError, ValueError) as err:
-        raise SystemExit(f"error: {path} is unreadable: {err}")
-    if not isinstance(manifest, dict) or manifest.get("format") != DATASET_FORMAT:
-        raise SystemExit(f"error: {path} is not an {DATASET_FORMAT} manifest")
-    vocab = f"vocab_size={CONFIG['vocab_size']} of {CONFIG['spec']}"
-    if manifest["tokenizer"]["vocab_size"] > CONFIG["vocab_size"]:
-        raise SystemExit(f"error: {path}: the tokenizer's {manifest['tokenizer']['vocab_size']} tokens exceed {vocab}")
-    if manifest["max_token_id"] >= CONFIG["vocab_size"]:
-        raise SystemExit(f"error: {path}: max_token_id {manifest['max_token_id']} is beyond {vocab}")
+        raise DatasetError(f"{path}: missing; not a dataset (write one with `axgen data`)") from None
+    except json.JSONDecodeError as err:
+        raise DatasetError(f"{path}:{err.lineno}: not valid JSON: {err.msg}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise DatasetError(f"{path}: cannot read: {_first_line(err)}") from None
+    found = manifest.get("format") if isinstance(manifest, dict) else None
+    if found != FORMAT:
+        raise DatasetError(f'{path}: format {json.dumps(found)}, expected "{FORMAT}"')
     return manifest
 
 
-def open_shard(directory, shard, token_dtype):
+def check_vocabulary(directory, vocab_size: int, spec: str) -> None:
+    """A dataset whose tokenizer or token ids go beyond the model's embedding is refused, naming both numbers."""
+    manifest, path = read_manifest(directory), os.path.join(directory, MANIFEST)
+    vocab = f"vocab_size={vocab_size} of {spec}"
+    if manifest["tokenizer"]["vocab_size"] > vocab_size:
+        raise DatasetError(
+            f"{path}: the tokenizer's {manifest['tokenizer']['vocab_size']} tokens exceed {vocab}"
+        )
+    if manifest["max_token_id"] >= vocab_size:
+        raise DatasetError(f"{path}: max_token_id {manifest['max_token_id']} is beyond {vocab}")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def open_shard(directory, shard: dict, token_dtype: str):
     """A shard's tokens and each document's end offset, memory-mapped, after checking them against the manifest."""
     arrays = {}
     for key in ("tokens", "docs"):
@@ -31,12 +74,12 @@ def open_shard(directory, shard, token_dtype):
         try:
             arrays[key] = np.load(path, mmap_mode="r")
         except (OSError, ValueError) as err:
-            raise SystemExit(f"error: shard {path} is unreadable: {err}")
+            raise DatasetError(f"shard {path} is unreadable: {err}") from None
     tokens, ends = arrays["tokens"], arrays["docs"]
     expected = (shard["num_tokens"],), (shard["num_documents"],)
     if tokens.dtype != token_dtype or (tokens.shape, ends.shape) != expected or ends[-1] != len(tokens):
-        raise SystemExit(
-            f"error: shard {os.path.join(directory, shard['tokens'])} holds {len(tokens)} {tokens.dtype} tokens"
+        raise DatasetError(
+            f"shard {os.path.join(directory, shard['tokens'])} holds {len(tokens)} {tokens.dtype} tokens"
             f" in {len(ends)} documents; its manifest says {shard['num_tokens']} {token_dtype} tokens"
             f" in {shard['num_documents']}"
         )
@@ -49,7 +92,7 @@ class PackedSplit:
     share one token, so every token is a target once. Each window comes with segment ids that number its documents
     from 1; a shard's last window is padded with segment 0, which no loss counts."""
 
-    def __init__(self, directory, split, seq_len):
+    def __init__(self, directory, split: str, seq_len: int):
         manifest = read_manifest(directory)
         shards = manifest["splits"][split]["shards"]
         self.shards = [open_shard(directory, shard, manifest["token_dtype"]) for shard in shards]
@@ -80,17 +123,22 @@ class Batches:
     """The rows of each step's global batch that this process feeds: windows in an order drawn from (seed, epoch),
     a new one each epoch, so a batch depends only on its step and a resumed run sees the batches an uninterrupted
     one would. `shuffle=False` keeps the split's order (evaluation); `documents=False` makes each row one
-    document, so attention and positions run across the documents packed into it."""
+    document, so attention and positions run across the documents packed into it. A token id at or beyond
+    `vocab_size` (a manifest that understates its max_token_id) is refused before it reaches the embedding."""
 
-    def __init__(self, split, global_batch, seed, shuffle=True, documents=True):
-        self.split, self.global_batch, self.seed = split, global_batch, seed
+    def __init__(
+        self, split: PackedSplit, global_batch: int, seed: int, vocab_size: int, shuffle=True, documents=True
+    ):
+        self.split, self.global_batch, self.seed, self.vocab_size = split, global_batch, seed, vocab_size
         self.shuffle, self.documents = shuffle, documents
         self.orders = {}
 
     def order(self, epoch):
         if epoch not in self.orders:  # keeps only the newest epoch's: a batch spans at most two
             rng = np.random.default_rng([self.seed, epoch])
-            self.orders = {epoch: rng.permutation(len(self.split)) if self.shuffle else np.arange(len(self.split))}
+            self.orders = {
+                epoch: rng.permutation(len(self.split)) if self.shuffle else np.arange(len(self.split))
+            }
         return self.orders[epoch]
 
     def local_batch(self, step):
@@ -102,8 +150,8 @@ class Batches:
         tokens, segment_ids = (np.stack(arrays) for arrays in zip(*windows))
         if not self.documents:
             segment_ids = np.minimum(segment_ids, 1)  # padding stays 0
-        if tokens.max() >= CONFIG["vocab_size"]:  # a manifest that understates its max_token_id
-            raise SystemExit(f"error: step {step} holds token {tokens.max()} >= vocab_size={CONFIG['vocab_size']}")
+        if tokens.max() >= self.vocab_size:
+            raise DatasetError(f"step {step} holds token {tokens.max()} >= vocab_size={self.vocab_size}")
         return tokens, segment_ids
 
 

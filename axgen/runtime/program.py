@@ -1,0 +1,175 @@
+"""A program module as the runtime sees it: the names an emitted program defines, and what the runtime derives
+from them (mesh, train state, shardings, compiled steps)."""
+
+import dataclasses
+import math
+import types
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.experimental import mesh_utils
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import axgen
+from axgen.runtime import checkpoints, memory
+from axgen.runtime.sharding import logical_to_mesh, param_shardings
+
+
+class IncompatibleProgram(RuntimeError):
+    """A program built by an axgen whose programs this runtime cannot run."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """The names every emitted program defines, read from its module when the run starts (so a test may set
+    MESH_SHAPE and the like on the module first). A missing name is a program this runtime cannot run."""
+
+    module: types.ModuleType
+    axgen_version: str  # AXGEN_VERSION: the axgen that emitted the program
+    config: dict  # CONFIG: the spec's model and training settings
+    params: dict  # PARAMS: a tree of ParamSpec
+    logical_axis_rules: dict  # LOGICAL_AXIS_RULES: logical axis -> mesh axes
+    mesh_shape: dict  # MESH_SHAPE: mesh axis -> devices, over the whole job
+    dcn_mesh_shape: dict | None  # DCN_MESH_SHAPE: how slices split the mesh (None: one slice)
+    platform: str  # PLATFORM: jax's platform, unless JAX_PLATFORMS says otherwise
+    num_hosts: int  # NUM_HOSTS: processes a job of this target has
+    compiler_flags: dict  # COMPILER_FLAGS: environment variable -> flags set before jax starts
+    memory_fraction: float | None  # MEMORY_FRACTION: of each device's memory for jax's allocator
+    peak_flops_per_device: float  # PEAK_FLOPS_PER_DEVICE: for MFU
+    grad_accum_steps: int  # GRAD_ACCUM_STEPS: microbatches a batch splits into
+    logged_metrics: tuple  # LOGGED_METRICS: metrics the progress line shows besides the loss
+    optimizer: object  # OPTIMIZER: the optax transformation of the train step
+    init_params: types.FunctionType
+    train_step: types.FunctionType
+    eval_step: types.FunctionType
+
+    @classmethod
+    def module_names(cls) -> dict[str, str]:
+        """Each field's name in a program module: constants in capitals, functions as they are."""
+        fields = [f for f in dataclasses.fields(cls) if f.name != "module"]
+        return {f.name: f.name if f.type is types.FunctionType else f.name.upper() for f in fields}
+
+    @classmethod
+    def from_module(cls, module) -> "Program":
+        names = cls.module_names()
+        built_with, runtime = getattr(module, "AXGEN_VERSION", None), axgen.__version__
+        if built_with is None or _minor(built_with) != _minor(runtime):
+            raise IncompatibleProgram(
+                f"{getattr(module, '__file__', module.__name__)} was built by axgen {built_with or 'before 0.2'} and"
+                f" this runtime (axgen {runtime}) runs programs of axgen {_minor(runtime)}.x: rebuild it with"
+                f" `axgen build`, or install axgen=={built_with}"
+            )
+        missing = [name for name in names.values() if not hasattr(module, name)]
+        if missing:
+            raise IncompatibleProgram(
+                f"{module.__file__} defines no {', '.join(missing)}: it is not an axgen program"
+            )
+        return cls(module=module, **{field: getattr(module, name) for field, name in names.items()})
+
+    @property
+    def num_devices(self) -> int:
+        return math.prod(self.mesh_shape.values())
+
+    def make_mesh(self, devices=None):
+        """The mesh over `devices` (default: all); slices of a multi-slice job split `data` (DCN_MESH_SHAPE).
+        Devices with no slice, as on one host, form a single mesh of the same shape."""
+        axis_types = (jax.sharding.AxisType.Auto,) * len(self.mesh_shape)
+        devices = jax.devices() if devices is None else devices
+        if self.dcn_mesh_shape and hasattr(devices[0], "slice_index"):
+            per_slice = [size // self.dcn_mesh_shape[axis] for axis, size in self.mesh_shape.items()]
+            grid = mesh_utils.create_hybrid_device_mesh(
+                per_slice, list(self.dcn_mesh_shape.values()), devices
+            )
+            return jax.sharding.Mesh(grid, tuple(self.mesh_shape), axis_types=axis_types)
+        if self.dcn_mesh_shape:
+            grid = mesh_utils.create_device_mesh(list(self.mesh_shape.values()), devices)
+            return jax.sharding.Mesh(grid, tuple(self.mesh_shape), axis_types=axis_types)
+        return jax.make_mesh(
+            tuple(self.mesh_shape.values()), tuple(self.mesh_shape), axis_types=axis_types, devices=devices
+        )
+
+    def init_state(self, rng):
+        return self.state_from_params(self.init_params(rng))
+
+    def state_from_params(self, params):
+        """Step 0 with these params and a fresh optimizer state."""
+        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.optimizer.init(params)}
+
+    def param_shardings(self, mesh):
+        return param_shardings(mesh, self.params, self.logical_axis_rules)
+
+    def state_shardings(self, mesh):
+        """Params by the rules table; optimizer moments like their params; counters replicated."""
+        params = self.param_shardings(mesh)
+        replicated = NamedSharding(mesh, P())
+        abstract_state = jax.eval_shape(lambda: self.init_state(jax.random.key(0)))
+        opt_state = optax.tree_map_params(
+            self.optimizer,
+            lambda _, sharding: sharding,
+            abstract_state["opt_state"],
+            params,
+            transform_non_params=lambda _: replicated,
+        )
+        return {"step": replicated, "params": params, "opt_state": opt_state}
+
+    def abstract_state(self, mesh):
+        """The train state's shapes, dtypes and shardings, without allocating it."""
+        return jax.tree.map(
+            lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+            jax.eval_shape(lambda: self.init_state(jax.random.key(0))),
+            self.state_shardings(mesh),
+        )
+
+    def batch_sharding(self, mesh, global_batch):
+        """Token windows and their segment ids [batch, seq + 1]: rows split as the rules table splits `batch`."""
+        spec = logical_to_mesh(self.logical_axis_rules, ("batch", "seq"), (global_batch, 1), mesh.shape)
+        return NamedSharding(mesh, spec)
+
+    def batch_shape(self, mesh, global_batch):
+        """The abstract token windows (and segment ids) of a global batch."""
+        return jax.ShapeDtypeStruct(
+            (global_batch, self.config["seq_len"] + 1),
+            jnp.int32,
+            sharding=self.batch_sharding(mesh, global_batch),
+        )
+
+    def jit_train_step(self, mesh, global_batch):
+        shardings = self.state_shardings(mesh)
+        batch = self.batch_sharding(mesh, global_batch)
+        return jax.jit(
+            self.train_step,
+            in_shardings=(shardings, batch, batch),
+            out_shardings=(shardings, NamedSharding(mesh, P())),
+            donate_argnums=0,
+        )
+
+    def compile_train_step(self, mesh, global_batch):
+        """The train step compiled ahead of time for this batch, and its per-device peak bytes."""
+        tokens = self.batch_shape(mesh, global_batch)
+        compiled = (
+            self.jit_train_step(mesh, global_batch).lower(self.abstract_state(mesh), tokens, tokens).compile()
+        )
+        return compiled, memory.step_peak_bytes(compiled.memory_analysis())
+
+    def jit_eval_step(self, mesh, global_batch):
+        batch = self.batch_sharding(mesh, global_batch)
+        params = self.state_shardings(mesh)["params"]
+        return jax.jit(
+            self.eval_step, in_shardings=(params, batch, batch), out_shardings=NamedSharding(mesh, P())
+        )
+
+    def restore_params(self, path, mesh):
+        """Params from an `axgen convert-hf` checkpoint, restored straight into this mesh's shardings."""
+        abstract = jax.tree.map(
+            lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+            jax.eval_shape(self.init_params, jax.random.key(0)),
+            self.param_shardings(mesh),
+        )
+        return checkpoints.restore_params(path, abstract, self.config["model"])
+
+
+def _minor(version: str) -> str:
+    """Programs and runtimes of the same minor version (0.2.*) work together."""
+    return ".".join(version.split(".")[:2])

@@ -1,0 +1,311 @@
+"""`python PROGRAM.py --data D --run-dir R`: the training run every emitted program hands its steps to."""
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import jax
+
+from axgen.runtime import checkpoints
+from axgen.runtime.dataset import Batches, DatasetError, PackedSplit, check_vocabulary, prefetched
+from axgen.runtime.faults import NonFiniteGuard, StopSignals, lock_run_dir
+from axgen.runtime.metrics import MetricsLog, Progress
+from axgen.runtime.program import IncompatibleProgram, Program
+
+
+def main(module, argv=None) -> int:
+    """Trains the program `module` defines on an `axgen data` directory; the exit code: 0 done or stopped by a
+    signal with a checkpoint, 2 bad input (a flag, a dataset, a program this runtime cannot run) refused before
+    jax starts, 1 an error during the run."""
+    began = time.perf_counter()
+    try:
+        program = Program.from_module(module)
+    except IncompatibleProgram as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    args = parse_args(program, argv, description=(module.__doc__ or "").strip().splitlines()[0])
+    try:
+        train_data, eval_data, eval_batches = open_data(program, args)
+    except DatasetError as refused:  # a dataset refused before jax starts is bad input, as a bad flag is
+        print(f"error: {refused}", file=sys.stderr)
+        return 2
+    try:
+        return train(program, args, train_data, eval_data, eval_batches, began)
+    except DatasetError as err:  # a batch that the manifest did not announce
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+
+
+def train(program: Program, args, train_data, eval_data, eval_batches, began) -> int:
+    config = program.config
+    configure_jax(program, args)
+    check_device_count(program)
+    mesh = program.make_mesh()
+    os.makedirs(args.run_dir, exist_ok=True)
+    directory = os.path.abspath(os.path.join(args.run_dir, "checkpoints"))
+    with (
+        lock_run_dir(args.run_dir),
+        jax.set_mesh(mesh),
+        checkpoints.manager(directory, config["checkpoint_every"]) as manager,
+        MetricsLog(args.run_dir) as log,
+        StopSignals(mesh) as stop,
+    ):
+        if (manager.latest_step() or 0) >= args.steps:
+            print(
+                f"error: --steps {args.steps} is not beyond step {manager.latest_step()}, where {directory} resumes",
+                file=sys.stderr,
+            )
+            return 2  # out of the with first: orbax's threads stop before the interpreter does
+        started = time.perf_counter()
+        step_fn = compile_checked(program, mesh, args.batch)
+        compiled = time.perf_counter()
+        state, origin = restore_or_init(program, manager, mesh, args)
+        start, restored = int(state["step"]), time.perf_counter()
+        eval_fn, sharding = program.jit_eval_step(mesh, args.batch), program.batch_sharding(mesh, args.batch)
+        print(
+            f"{config['model']} on {jax.device_count()} devices, mesh {program.mesh_shape}: {origin} (start-up"
+            f" {started - began:.1f}s, compile {compiled - started:.1f}s, restore {restored - compiled:.1f}s)",
+            flush=True,
+        )
+        progress = Progress(
+            log,
+            start,
+            args.steps,
+            args.batch * config["seq_len"],
+            config["flops_per_token"],
+            program.peak_flops_per_device,
+            program.logged_metrics,
+        )
+        guard = NonFiniteGuard(args.max_bad_steps)
+        steps, stopping = range(start, args.steps), False
+        for step, local_batch in zip(steps, prefetched(train_data.local_batch, steps)):
+            state, metrics = step_fn(
+                state, *(jax.make_array_from_process_local_data(sharding, x) for x in local_batch)
+            )
+            done = step + 1
+            guard.after(done, metrics["skipped"])
+            stopping = stop.requested(state)
+            if step == start or done % args.log_every == 0 or done == args.steps or stopping:
+                progress.train(done, jax.device_get(metrics))
+            if eval_data and (done % args.eval_every == 0 or done == args.steps):
+                progress.eval(done, *evaluate(eval_fn, state["params"], eval_data, sharding, eval_batches))
+            if done % config["checkpoint_every"] == 0:
+                checkpoints.save(manager, state)
+            if stopping:
+                break
+        guard.finish()
+        if manager.latest_step() != int(state["step"]):
+            checkpoints.save(manager, state, force=True)
+        manager.wait_until_finished()
+        stopped = (
+            f"stopped by {stop.received or 'a signal to another process'} at step {done}; "
+            if stopping
+            else ""
+        )
+        print(f"{stopped}checkpoint: step {manager.latest_step()} in {directory}", flush=True)
+    return 0
+
+
+def configure_jax(program: Program, args) -> None:
+    """Sets the target's platform and flags before jax starts its backend, and joins the other processes of the job
+    when there are several: from --coordinator/--num-processes/--process-id (or JAX_COORDINATOR_ADDRESS,
+    JAX_NUM_PROCESSES, JAX_PROCESS_ID), else as jax detects the cluster (TPU pod, SLURM). With a compilation cache
+    folder, compiled steps persist there: a restarted run does not compile again."""
+    platform = os.environ.get("JAX_PLATFORMS") or program.platform
+    jax.config.update("jax_platforms", platform)
+    # On CPU, executables read back from the cache deadlocked in collectives between devices (jax 0.12.0.1, 3
+    # runs in 5): a CPU mesh of several devices compiles afresh.
+    if args.compilation_cache and (platform != "cpu" or program.num_devices == 1):
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache)
+    # The user's own flags come last, so they win over the target's.
+    for variable, flags in program.compiler_flags.items():
+        os.environ[variable] = " ".join([*flags, os.environ.get(variable, "")]).strip()
+    if program.memory_fraction:
+        os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", str(program.memory_fraction))
+    if program.num_hosts == 1 and (args.num_processes or 1) == 1:
+        return
+    if platform == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # A process whose peer died gets jax's error naming it once the peer misses its heartbeats, instead of waiting
+    # in a collective forever.
+    jax.distributed.initialize(
+        args.coordinator,
+        args.num_processes,
+        args.process_id,
+        heartbeat_timeout_seconds=args.heartbeat_timeout,
+    )
+
+
+def check_device_count(program: Program) -> None:
+    if jax.device_count() != program.num_devices:
+        raise SystemExit(
+            f"error: the mesh {program.mesh_shape} needs {program.num_devices} devices; this job has"
+            f" {jax.device_count()} ({jax.process_count()} process(es) of {jax.local_device_count()})"
+        )
+
+
+def device_memory_limit() -> int:
+    """Bytes one device here may hold: its allocator's limit, or on CPU this host's memory over its devices."""
+    stats = jax.local_devices()[0].memory_stats()
+    if stats and "bytes_limit" in stats:
+        return stats["bytes_limit"]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // jax.local_device_count()
+
+
+def compile_checked(program: Program, mesh, global_batch):
+    """The train step compiled ahead of time for this batch; a step XLA says needs more memory than a device here
+    has is refused before anything is allocated, instead of failing (or swapping) later."""
+    compiled, needed = program.compile_train_step(mesh, global_batch)
+    limit = device_memory_limit()
+    if needed > limit:
+        raise SystemExit(
+            f"error: a training step of {program.config['model']} at --batch {global_batch} needs"
+            f" {needed / 2**30:.1f} GiB per device (XLA's estimate) and a {jax.devices()[0].platform} device here"
+            f" has {limit / 2**30:.1f} GiB; use more devices or a smaller model or batch"
+        )
+    return compiled
+
+
+def restore_or_init(program: Program, manager, mesh, args):
+    """The newest checkpoint of this run that verifies; else the params of --init-from with a fresh optimizer;
+    else a seeded init. Returns the state and where it came from, in words."""
+    state, step = checkpoints.newest_verified(manager, mesh, args.run_dir, program.abstract_state(mesh))
+    if state is not None:
+        return state, f"resumed from step {step}"
+    shardings = program.state_shardings(mesh)
+    if args.init_from:
+        params = program.restore_params(args.init_from, mesh)
+        state = jax.jit(program.state_from_params, out_shardings=shardings)(params)
+        return state, f"params from {args.init_from}, a fresh optimizer state"
+    state = jax.jit(program.init_state, out_shardings=shardings)(jax.random.key(program.config["seed"]))
+    return state, "initialised from seed"
+
+
+def evaluate(eval_fn, params, data, batch_sharding, num_batches):
+    """Mean cross-entropy over the first `num_batches` batches of the eval split, in its stored order, and the
+    number of targets it counts."""
+    loss_sum, targets = 0.0, 0
+    for step in range(num_batches):
+        batch = (jax.make_array_from_process_local_data(batch_sharding, x) for x in data.local_batch(step))
+        sums = jax.device_get(eval_fn(params, *batch))
+        loss_sum, targets = loss_sum + float(sums["loss_sum"]), targets + int(sums["targets"])
+    return loss_sum / max(targets, 1), targets
+
+
+def open_data(program: Program, args):
+    """The training batches and, when evaluating, the eval batches: every dataset is checked before jax starts."""
+    config, documents = program.config, not args.no_document_mask
+    vocab_size = config["vocab_size"]
+    check_vocabulary(args.data, vocab_size, config["spec"])
+    train = PackedSplit(args.data, "train", config["seq_len"])
+    batches = Batches(train, args.batch, config["seed"], vocab_size, documents=documents)
+    if not args.eval_every:
+        return batches, None, 0
+    eval_dir = args.eval_data or args.data
+    check_vocabulary(eval_dir, vocab_size, config["spec"])
+    split = PackedSplit(eval_dir, "eval", config["seq_len"])
+    if not len(split.shards):
+        raise DatasetError(
+            f"{eval_dir} has no eval split: pass --eval-data, or make one with `axgen data --eval-fraction`"
+        )
+    # Whole batches of the split in order, so every evaluation sees the same windows.
+    num_batches = min(args.eval_batches, max(1, len(split) // args.batch))
+    return (
+        batches,
+        Batches(split, args.batch, config["seed"], vocab_size, shuffle=False, documents=documents),
+        num_batches,
+    )
+
+
+def positive(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def nonnegative(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse whose errors are one line, exit 2; the usage is for --help."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def parse_args(program: Program, argv, description=None):
+    config = program.config
+    parser = OneLineErrors(description=description)
+    parser.add_argument("--data", required=True, help="dataset directory written by `axgen data`")
+    parser.add_argument(
+        "--run-dir", required=True, help="checkpoints (the newest is resumed), metrics.jsonl, TensorBoard"
+    )
+    parser.add_argument("--steps", type=positive, default=config["steps"], help="stop after this global step")
+    parser.add_argument(
+        "--batch", type=positive, default=config["global_batch"], help="global batch in sequences"
+    )
+    parser.add_argument("--log-every", type=positive, default=10)
+    parser.add_argument(
+        "--eval-every",
+        type=nonnegative,
+        default=0,
+        help="steps between evaluations, and one at the end (0: none)",
+    )
+    parser.add_argument(
+        "--eval-batches", type=positive, default=10, help="at most this many batches per evaluation"
+    )
+    parser.add_argument(
+        "--eval-data", help="dataset directory to evaluate on (default: the eval split of --data)"
+    )
+    parser.add_argument(
+        "--compilation-cache",
+        default=os.path.join(os.path.expanduser("~"), ".cache", "axgen", "jax"),
+        help="folder of compiled steps a restarted run reuses ('' turns it off; unused by a CPU mesh of several devices)",
+    )
+    parser.add_argument(
+        "--max-bad-steps", type=positive, default=10, help="non-finite steps in a row that stop the run"
+    )
+    parser.add_argument(
+        "--init-from", help="`axgen convert-hf` checkpoint to start from when --run-dir has none"
+    )
+    parser.add_argument(
+        "--coordinator",
+        default=os.environ.get("JAX_COORDINATOR_ADDRESS"),
+        help="host:port of process 0, when the job has several processes",
+    )
+    parser.add_argument(
+        "--num-processes",
+        type=positive,
+        default=os.environ.get("JAX_NUM_PROCESSES"),
+        help="processes in the job",
+    )
+    parser.add_argument(
+        "--process-id",
+        type=nonnegative,
+        default=os.environ.get("JAX_PROCESS_ID"),
+        help="this process's index in the job",
+    )
+    parser.add_argument(
+        "--heartbeat-timeout",
+        type=positive,
+        default=100,
+        help="seconds before a silent process is declared dead and the job stops",
+    )
+    parser.add_argument(
+        "--no-document-mask",
+        action="store_true",
+        help="let attention and positions run across the documents packed into a sequence",
+    )
+    args = parser.parse_args(argv)
+    if args.batch % program.grad_accum_steps:
+        parser.error(
+            f"--batch {args.batch} does not split into GRAD_ACCUM_STEPS={program.grad_accum_steps} microbatches"
+        )
+    return args

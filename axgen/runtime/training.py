@@ -1,0 +1,69 @@
+"""The parts of a train step every program shares: gradients over microbatches, and an optimizer update that
+leaves statistics untrained and skips a non-finite step."""
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from axgen.runtime.params import is_param_spec
+from axgen.runtime.sharding import constrain
+
+
+def gradients(loss_fn, params, batch, accum_steps: int, specs, rules: dict):
+    """((loss, metrics), grads) of `loss_fn(params, *batch)` over the whole batch. With accum_steps > 1 they are
+    summed over that many microbatches that lax.scan runs one after another, so only one microbatch's activations
+    are alive at a time. Row i goes to microbatch i % accum_steps: every microbatch takes rows from every device,
+    and no tokens move."""
+    if accum_steps == 1:
+        return jax.value_and_grad(loss_fn, has_aux=True)(params, *batch)
+    microbatches = jax.tree.map(lambda x: x.reshape(-1, accum_steps, x.shape[1]).swapaxes(0, 1), batch)
+    # Each microbatch counts 1/accum_steps, so the sums are means over the batch, gradients included (means of
+    # the microbatches' means: exact when they count the same number of targets).
+    grad_fn = jax.value_and_grad(
+        lambda p, microbatch: jax.tree.map(lambda x: x / accum_steps, loss_fn(p, *microbatch)), has_aux=True
+    )
+
+    def as_params(grads):
+        return jax.tree.map(
+            lambda g, spec: constrain(g, spec.axes, rules), grads, specs, is_leaf=is_param_spec
+        )
+
+    def add(total, new, spec):
+        # Statistics (fp8 amax histories) come back whole from each microbatch: the batch's is their maximum.
+        return total + new if spec.trained else jnp.maximum(total, new)
+
+    def add_microbatch(totals, microbatch):
+        values, grads = grad_fn(params, microbatch)
+        values = jax.tree.map(jnp.add, totals[0], values)
+        grads = jax.tree.map(add, totals[1], grads, specs, is_leaf=is_param_spec)
+        return (values, as_params(grads)), None
+
+    shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], microbatches))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    totals, _ = jax.lax.scan(add_microbatch, (zeros[0], as_params(zeros[1])), microbatches)
+    return totals
+
+
+def apply_gradients(optimizer, learning_rate, state: dict, grads, loss, metrics: dict, specs):
+    """The next state and the step's metrics (with loss, grad_norm, the step's lr and whether it was skipped). Statistics (params with trained=False,
+    e.g. fp8 amax histories) are not trained: backward returns each one's next value where a gradient would be. A
+    non-finite loss or gradient never reaches the params or the optimizer's moments: the step is skipped."""
+    statistics = grads
+    grads = jax.tree.map(lambda g, spec: g if spec.trained else jnp.zeros_like(g), grads, specs)
+    updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    params = jax.tree.map(lambda p, new, spec: p if spec.trained else new, params, statistics, specs)
+    metrics = {
+        **metrics,
+        "loss": loss,
+        "grad_norm": optax.tree.norm(grads),
+        "lr": learning_rate(state["step"]),
+    }
+    finite = jnp.isfinite(loss) & jnp.isfinite(metrics["grad_norm"])
+    kept = jax.tree.map(
+        lambda new, old: jnp.where(finite, new, old),
+        (params, opt_state),
+        (state["params"], state["opt_state"]),
+    )
+    metrics["skipped"] = jnp.logical_not(finite)
+    return {"step": state["step"] + 1, "params": kept[0], "opt_state": kept[1]}, metrics
