@@ -23,7 +23,7 @@ from axgen.corpus import write_corpus
 from axgen.data import build_dataset, summary
 from axgen.explain import explain, render
 from axgen.files import OutputError, check_output_dir, check_output_file, write_atomically
-from axgen.hf_export import export_hf
+from axgen.hf_export import export_dtype, export_hf
 from axgen.hf_import import HFImportError, TrainChoices, import_hf
 from axgen.hf_weights import convert_hf
 from axgen.inputs import DataError, ReadOptions
@@ -196,6 +196,9 @@ def _parser() -> argparse.ArgumentParser:
     _input_arguments(tt)
     tt.add_argument("--vocab-size", type=int, required=True, help="tokens: 256 bytes, 2 special, merges")
     tt.add_argument("--out", type=_path, required=True, help="tokenizer.json (tokenizer_config.json beside)")
+    tt.add_argument(
+        "--force", action="store_true", help="replace an existing --out and its tokenizer_config.json"
+    )
     tt.set_defaults(run=_tokenizer_train)
 
     r = sub.add_parser("report", help="draw a run's metrics.jsonl into a PNG and print a summary table")
@@ -216,6 +219,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     h.add_argument("--steps", type=_positive, default=1000, help="Train.steps (1000)")
     h.add_argument("--target", action="append", help="a target to declare; repeat for more (default cpu-8)")
+    h.add_argument("--force", action="store_true", help="replace an existing --out")
     h.set_defaults(run=_import_hf)
 
     w = sub.add_parser(
@@ -236,7 +240,15 @@ def _parser() -> argparse.ArgumentParser:
     )
     x.add_argument("--out", type=_path, required=True, help="HF model folder to write")
     x.add_argument(
-        "--dtype", choices=("bfloat16", "float32", "float16"), default="bfloat16", help="(bfloat16)"
+        "--dtype",
+        choices=("bfloat16", "float32", "float16"),
+        help="(default: the spec's checkpoint_dtype, the source checkpoint's, else bfloat16)",
+    )
+    x.add_argument(
+        "--fused-experts",
+        action="store_true",
+        help="write routed experts as transformers 5 holds them in memory (default: one tensor per expert, as "
+        "the family's published checkpoints)",
     )
     x.add_argument(
         "--tokenizer", type=_path, help="tokenizer.json (or its folder) to copy, with its config files"
@@ -442,7 +454,7 @@ def _import_hf(args) -> int:
     check_output_file(args.out)
     targets = tuple(args.target or ("cpu-8",))
     choices = TrainChoices(args.seq_len, args.batch, args.lr, args.steps, targets)
-    spec = import_hf(args.config, args.out, choices, args.name)
+    spec = import_hf(args.config, args.out, choices, args.name, args.force)
     graph = from_spec(spec)
     run_passes(graph, spec.features)
     print(f"wrote {args.out}: {spec.name}, {cost.num_params(graph):,} parameters")
@@ -465,11 +477,12 @@ def _export_hf(args) -> int:
     check_output_dir(args.out)
     spec = load_spec(args.spec)
     shard_bytes = int(args.shard_gb * 10**9)
+    dtype = export_dtype(spec, args.dtype)
     written = export_hf(
-        spec, args.ckpt, args.out, args.dtype, args.tokenizer, shard_bytes, overwrite=args.force
+        spec, args.ckpt, args.out, dtype, args.tokenizer, shard_bytes, args.force, args.fused_experts
     )
     size = sum(bytes_ for _, bytes_ in written.values())
-    print(f"wrote {args.out}: {len(written)} tensors of {spec.name} in {args.dtype}, {size / 2**30:.2f} GiB")
+    print(f"wrote {args.out}: {len(written)} tensors of {spec.name} in {dtype}, {size / 2**30:.2f} GiB")
     return 0
 
 
@@ -484,7 +497,9 @@ def _report(args) -> int:
 
 def _tokenizer_train(args) -> int:
     check_output_file(args.out)
-    tokenizer, skipped = train_tokenizer(args.inputs, args.vocab_size, args.out, _read_options(args))
+    tokenizer, skipped = train_tokenizer(
+        args.inputs, args.vocab_size, args.out, _read_options(args), overwrite=args.force
+    )
     print(
         f"wrote {args.out} ({tokenizer.get_vocab_size()} tokens) and its tokenizer_config.json; "
         f"{skipped.count} skipped"

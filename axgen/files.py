@@ -50,14 +50,14 @@ def _check_parent(path: Path) -> None:
         raise OutputError(f"{path}: cannot write: {ancestor} is not writable")
 
 
-def check_replaceable(out: Path, overwrite: bool, marker: str) -> None:
-    """An existing output folder is replaced only when asked and only when it holds `marker` (or nothing): a
-    mistyped --out never deletes somebody's other files."""
+def check_replaceable(out: Path, overwrite: bool, marker: str | None = None) -> None:
+    """An existing output is replaced only when asked; a folder (an output with a `marker`) only when it holds
+    `marker` (or nothing): a mistyped --out never deletes somebody's other files."""
     if not (out.exists() or out.is_symlink()):
         return
     if not overwrite:
         raise OutputError(f"{out}: already exists (pass --force to replace it)")
-    if not out.is_dir() or (any(out.iterdir()) and not (out / marker).exists()):
+    if marker is not None and (not out.is_dir() or (any(out.iterdir()) and not (out / marker).exists())):
         raise OutputError(f"{out}: exists and has no {marker}, so --force will not replace it")
 
 
@@ -88,13 +88,21 @@ def staging_dir(path: Path) -> Path:
     """A new, empty temporary sibling folder of `path` (0o755) to fill and then rename to `path`; the caller
     removes it if the work fails."""
     tmp = _temporary_sibling(path)
-    tmp.mkdir(mode=0o755)
+    try:
+        tmp.mkdir(mode=0o755)
+    except OSError as err:
+        raise OutputError(f"{path}: cannot write ({err.strerror})") from None
     tmp.chmod(0o755)  # whatever the umask: an output folder is as readable as any other output
     return tmp
 
 
 def _temporary_sibling(path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    # The checks before the work cannot tell every folder that will not be made (root may write anywhere, but
+    # not under /proc): this one line is the answer there.
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OutputError(f"{path}: cannot create {err.filename} ({err.strerror})") from None
     remove_stale_temporaries(path.parent)
     return path.with_name(f".{path.name}{TEMP_MARK}{os.getpid()}-{secrets.token_hex(4)}")
 

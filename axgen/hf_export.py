@@ -18,55 +18,15 @@ import ml_dtypes
 import numpy as np
 
 from axgen.files import check_replaceable, staging_dir
+from axgen.hf_families import ARCHITECTURES, expert_layout, family, hub_tensors
 from axgen.hf_weights import DTYPES
 from axgen.interop import CheckpointError, host_jax, iter_hf_tensors
 from axgen.runtime.checkpoints import host_checksum
 from axgen.spec import Model
+from axgen.tokenizer import load_tokenizer
 
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "mixtral": "MixtralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-    "qwen2_moe": "Qwen2MoeForCausalLM",
-    "gemma2": "Gemma2ForCausalLM",
-}
-# The features each family's HF model computes; remat and quantize shape training only, not the weights' meaning.
-TRAINING_ONLY = {"remat", "quantize"}
-FAMILY_FEATURES = {
-    "llama": {"rope"},
-    "mistral": {"rope", "sliding_window"},
-    "mixtral": {"rope", "moe"},
-    "qwen2": {"rope", "qkv_bias"},
-    "qwen3": {"rope", "qk_norm"},
-    "qwen2_moe": {"rope", "qkv_bias", "moe"},
-    "gemma2": {"rope", "gemma_block", "sliding_window", "softcap"},
-}
 SAFETENSORS_DTYPES = {np.dtype(dtype): name for name, dtype in DTYPES.items()}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
-
-
-def family(spec: Model) -> str:
-    """The HF family whose model computes what the spec does."""
-    features = {f.pass_name for f in spec.features} - TRAINING_ONLY
-    moe = spec.feature("moe")
-    if "gemma_block" in features:
-        name = "gemma2"
-    elif moe is not None:
-        name = "qwen2_moe" if moe.shared_hidden_dim else "mixtral"
-    elif "qk_norm" in features:
-        name = "qwen3"
-    elif "qkv_bias" in features:
-        name = "qwen2"
-    else:
-        name = "mistral" if "sliding_window" in features else "llama"
-    extra = sorted(features - FAMILY_FEATURES[name])
-    if extra:
-        raise CheckpointError(
-            f"{spec.origin}: {name} models in HF have no {extra[0]!r}; export-hf cannot write it"
-        )
-    return name
 
 
 def hf_config(spec: Model, dtype: str) -> dict:
@@ -169,11 +129,24 @@ def _gemma2(spec: Model) -> dict:
     return {
         "hidden_act": "gelu_pytorch_tanh",
         "hidden_activation": "gelu_pytorch_tanh",
-        "query_pre_attn_scalar": spec.decoder.attention.head_dim,
+        "query_pre_attn_scalar": _query_pre_attn_scalar(spec.decoder.attention),
         "sliding_window": window.window,
         "attn_logit_softcapping": cap.attention if cap else None,
         "final_logit_softcapping": cap.final if cap else None,
     }
+
+
+def _query_pre_attn_scalar(attention) -> int:
+    """Gemma's query_pre_attn_scalar, whose **-0.5 is the attention's scale."""
+    if attention.scale is None:
+        return attention.head_dim
+    scalar = round(attention.scale**-2)
+    if scalar**-0.5 != attention.scale:
+        raise CheckpointError(
+            f"{attention.origin}: Attention.scale={attention.scale!r} is no integer's **-0.5, which is how "
+            "Gemma 2 in HF states it (query_pre_attn_scalar)"
+        )
+    return scalar
 
 
 FAMILY_KEYS = {
@@ -212,10 +185,25 @@ def _restore(path: Path) -> dict:
         with ocp.StandardCheckpointer() as checkpointer:
             restored = checkpointer.restore(path)
     except (OSError, ValueError, KeyError, FileNotFoundError) as err:
-        raise CheckpointError(
-            f"{path}: not a readable orbax checkpoint ({str(err).splitlines()[0]})"
-        ) from None
+        _ignore_abandoned_reads()
+        why = str(err).splitlines()[0].split(" [tensorstore_spec=")[0]
+        raise CheckpointError(f"{path}: not a readable orbax checkpoint ({why})") from None
     return jax.tree.map(np.asarray, restored)
+
+
+def _ignore_abandoned_reads() -> None:
+    """After a failed restore, tensorstore still finishes the reads orbax gave up on, and their callbacks find
+    orbax's event loop closed: Python would print each as an ignored exception under the one-line error."""
+    default = sys.unraisablehook
+
+    def hook(unraisable) -> None:
+        if not (
+            isinstance(unraisable.exc_value, RuntimeError)
+            and str(unraisable.exc_value) == "Event loop is closed"
+        ):
+            default(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def _verify(params: dict, checksums: dict[str, int]) -> None:
@@ -230,25 +218,36 @@ def export_hf(
     spec: Model,
     checkpoint: Path,
     out: Path,
-    dtype: str = "bfloat16",
+    dtype: str | None = None,
     tokenizer: Path | None = None,
     shard_bytes: int = 5 * 10**9,
     overwrite: bool = False,
+    fused_experts: bool = False,
 ) -> dict[str, tuple[str, int]]:
-    """Writes the HF model folder at `out`, published only when complete; returns each tensor's shard and size."""
+    """Writes the HF model folder at `out`, published only when complete; returns each tensor's shard and size.
+    The weights are in `dtype`, else the dtype of the checkpoint the spec was imported from, else bfloat16; the
+    routed experts as the family's published checkpoints hold them, one tensor per expert, unless
+    `fused_experts` (transformers 5's layout in memory, which it also loads)."""
     out = Path(out).resolve()
     check_replaceable(out, overwrite, "config.json")
+    dtype = export_dtype(spec, dtype)
     config = hf_config(spec, dtype)
+    if tokenizer is not None:
+        tokenizer = _tokenizer_files(Path(tokenizer), spec)
     params = load_params(checkpoint)
+    tensors = iter_hf_tensors(params, spec, _numpy_dtype(dtype))
+    layout = expert_layout(spec)
+    if layout is not None and not fused_experts:
+        tensors = hub_tensors(tensors, layout)
     staging = staging_dir(out)
     try:
         try:
-            written = _write_shards(staging, iter_hf_tensors(params, spec, _numpy_dtype(dtype)), shard_bytes)
+            written = _write_shards(staging, tensors, shard_bytes)
         except CheckpointError as err:
             raise CheckpointError(f"{checkpoint}: {err}") from None
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        if tokenizer is not None:
-            _copy_tokenizer(Path(tokenizer), staging, spec)
+        for source, name in tokenizer or ():
+            shutil.copy2(source, staging / name)
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)
@@ -256,6 +255,11 @@ def export_hf(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return written
+
+
+def export_dtype(spec: Model, requested: str | None) -> str:
+    """The dtype asked for, else the one of the checkpoint the spec was imported from, else bfloat16."""
+    return requested or spec.checkpoint_dtype or "bfloat16"
 
 
 def _numpy_dtype(name: str):
@@ -313,17 +317,22 @@ def _write_safetensors(path: Path, header: dict, data: Path) -> None:
     data.unlink()
 
 
-def _copy_tokenizer(source: Path, directory: Path, spec: Model) -> None:
-    folder = source if source.is_dir() else source.parent
-    files = [folder / name for name in TOKENIZER_FILES if (folder / name).is_file()]
-    if not any(f.name == "tokenizer.json" for f in files):
-        raise CheckpointError(f"{folder}: has no tokenizer.json")
-    from tokenizers import Tokenizer
-
-    vocab = Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+def _tokenizer_files(source: Path, spec: Model) -> list[tuple[Path, str]]:
+    """(file, name to write it as) of a tokenizer.json, or of a folder holding one, and its config files beside
+    it; the tokenizer must load and fit the spec's vocabulary."""
+    if not source.exists():
+        raise CheckpointError(f"{source}: no such file or folder (--tokenizer)")
+    tokenizer_json = source / "tokenizer.json" if source.is_dir() else source
+    if not tokenizer_json.is_file():
+        raise CheckpointError(f"{source}: has no tokenizer.json (--tokenizer)")
+    vocab = load_tokenizer(tokenizer_json).vocab_size
     if vocab > spec.vocab_size:
         raise CheckpointError(
-            f"{folder / 'tokenizer.json'}: its {vocab} tokens exceed vocab_size={spec.vocab_size} of {spec.origin}"
+            f"{tokenizer_json}: its {vocab} tokens exceed vocab_size={spec.vocab_size} of {spec.origin}"
         )
-    for file in files:
-        shutil.copy2(file, directory / file.name)
+    beside = [
+        (tokenizer_json.with_name(name), name)
+        for name in TOKENIZER_FILES[1:]
+        if tokenizer_json.with_name(name).is_file()
+    ]
+    return [(tokenizer_json, "tokenizer.json"), *beside]

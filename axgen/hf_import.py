@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import re
 import tempfile
 from collections.abc import Callable
@@ -19,9 +20,11 @@ from pathlib import Path
 import black
 
 from axgen.codegen.emit import BLACK_MODE
-from axgen.files import write_atomically
+from axgen.backends import family_for
+from axgen.files import check_replaceable, write_atomically
 from axgen.loader import load_spec
-from axgen.spec import Model
+from axgen.spec import Model, SpecError
+from axgen.spec.model import CHECKPOINT_DTYPES
 
 # Keys that do not change what the model computes: inference settings, task heads, bookkeeping.
 IRRELEVANT = frozenset(
@@ -31,7 +34,6 @@ IRRELEVANT = frozenset(
         "bos_token_id",
         "cache_implementation",
         "chunk_size_feed_forward",
-        "dtype",
         "eos_token_id",
         "id2label",
         "initializer_range",
@@ -44,7 +46,6 @@ IRRELEVANT = frozenset(
         "pretraining_tp",  # splits the same matmuls for Llama 2's original tensor parallelism
         "problem_type",
         "return_dict",
-        "torch_dtype",
         "torch_version",
         "transformers_version",
         "use_cache",
@@ -78,11 +79,18 @@ DEFAULTS: dict[str, dict] = {
         "router_jitter_noise": 0.0,
     },
     "qwen2": _LLAMA
-    | {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28, "qkv_bias": True},
+    | {
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+        "qkv_bias": True,
+        "use_mrope": False,
+    },
     "qwen3": _LLAMA | {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28},
     "qwen2_moe": _LLAMA
     | {
         "qkv_bias": True,
+        "use_mrope": False,
         "use_sliding_window": False,
         "sliding_window": 4096,
         "max_window_layers": 28,
@@ -109,6 +117,61 @@ class HFImportError(ValueError):
     """One line: the config file, and the key and value that stop the import."""
 
 
+def _positive_int(value) -> bool:
+    return type(value) is int and value > 0
+
+
+def _finite(value) -> bool:
+    """An int or float that is finite (JSON's NaN and Infinity are not), never a bool."""
+    return type(value) in (int, float) and math.isfinite(value)
+
+
+# What each numeric or boolean key may hold, and how an error says it. JSON gives `true` for 1 and "64" for 64;
+# neither is read as a number.
+KINDS: dict[str, tuple[Callable[[object], bool], str]] = {
+    "positive int": (_positive_int, "an integer > 0"),
+    "positive int or null": (lambda v: v is None or _positive_int(v), "an integer > 0, or null"),
+    "positive number": (lambda v: _finite(v) and v > 0, "a finite number > 0"),
+    "positive number or null": (
+        lambda v: v is None or (_finite(v) and v > 0),
+        "a finite number > 0, or null",
+    ),
+    "number >= 0": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
+    "boolean": (lambda v: type(v) is bool, "true or false"),
+    "boolean or null": (lambda v: v is None or type(v) is bool, "true, false or null"),
+}
+KEY_KINDS = {
+    **dict.fromkeys(
+        (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "moe_intermediate_size",
+            "shared_expert_intermediate_size",
+            "num_experts",
+            "num_local_experts",
+            "num_experts_per_tok",
+            "decoder_sparse_step",
+            "max_position_embeddings",
+            "max_window_layers",
+        ),
+        "positive int",
+    ),
+    **dict.fromkeys(
+        ("num_key_value_heads", "head_dim", "sliding_window", "sliding_window_size"), "positive int or null"
+    ),
+    **dict.fromkeys(("rms_norm_eps", "rope_theta", "query_pre_attn_scalar"), "positive number"),
+    **dict.fromkeys(("attn_logit_softcapping", "final_logit_softcapping"), "positive number or null"),
+    **dict.fromkeys(("router_aux_loss_coef", "attention_dropout", "router_jitter_noise"), "number >= 0"),
+    **dict.fromkeys(
+        ("tie_word_embeddings", "norm_topk_prob", "use_sliding_window", "qkv_bias", "use_mrope"), "boolean"
+    ),
+    **dict.fromkeys(("attention_bias", "mlp_bias", "use_bidirectional_attention"), "boolean or null"),
+}
+
+
 @dataclass
 class Config:
     """An HF config.json whose keys are marked as they are read, so that none goes unaccounted for."""
@@ -120,12 +183,17 @@ class Config:
 
     def __getitem__(self, key: str):
         self.read.add(key)
-        if key in self.values:
-            return self.values[key]
-        defaults = DEFAULTS[self.model_type]
-        if key not in defaults:
-            raise HFImportError(f"{self.path}: has no {key!r}, which a {self.model_type} config needs")
-        return defaults[key]
+        if key not in self.values:
+            defaults = DEFAULTS[self.model_type]
+            if key not in defaults:
+                raise HFImportError(f"{self.path}: has no {key!r}, which a {self.model_type} config needs")
+            return defaults[key]
+        value = self.values[key]
+        if key in KEY_KINDS:
+            check, description = KINDS[KEY_KINDS[key]]
+            if not check(value):
+                raise HFImportError(f"{self.path}: {key}={_shown(value)} is not {description}")
+        return value
 
     def expect(self, key: str, allowed: tuple, why: str):
         """The key's value, which must be one of `allowed`: axgen does not implement the others."""
@@ -150,7 +218,14 @@ class SpecSource:
     norm: str
     max_position: int
     tie_embeddings: bool = False
+    checkpoint_dtype: str | None = None
     features: list[str] = field(default_factory=list)
+
+
+def _shown(value) -> str:
+    """A value as an error shows it: short, on one line."""
+    text = json.dumps(value) if not isinstance(value, float) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def read_config(path: Path) -> tuple[dict, str, str]:
@@ -164,6 +239,8 @@ def read_config(path: Path) -> tuple[dict, str, str]:
         raise HFImportError(f"{config_path}: no such file") from None
     except (OSError, ValueError) as err:
         raise HFImportError(f"{config_path}: not a readable JSON config ({err})") from None
+    except RecursionError:
+        raise HFImportError(f"{config_path}: not a config: its JSON nests too deeply") from None
     if not isinstance(config, dict):
         raise HFImportError(f"{config_path}: not a JSON object")
     return config, str(config_path), hashlib.sha256(raw).hexdigest()
@@ -179,6 +256,7 @@ def import_config(config: dict, path: str) -> tuple[SpecSource, Config]:
     c = Config(config, path, model_type)
     c.read.add("model_type")
     source = FAMILIES[model_type](c)
+    source.checkpoint_dtype = _checkpoint_dtype(c)
     unaccounted = c.unaccounted()
     if unaccounted:
         key = unaccounted[0]
@@ -187,6 +265,18 @@ def import_config(config: dict, path: str) -> tuple[SpecSource, Config]:
             f"rather than drop it"
         )
     return source, c
+
+
+def _checkpoint_dtype(c: Config) -> str | None:
+    """The dtype the checkpoint's weights are stored in: `dtype` (transformers 5) or `torch_dtype` (4.x)."""
+    c.read |= {"dtype", "torch_dtype"}
+    key = "dtype" if "dtype" in c.values else "torch_dtype"
+    value = c.values.get(key)
+    if value is not None and value not in CHECKPOINT_DTYPES:
+        raise HFImportError(
+            f"{c.path}: {key}={value!r} is not a dtype axgen reads (bfloat16, float16, float32)"
+        )
+    return value
 
 
 # --- the families ------------------------------------------------------------------------------------------------
@@ -215,27 +305,49 @@ def _decoder(c: Config, activation: str = "swiglu") -> SpecSource:
 def _rope(c: Config) -> str:
     """F.rope from `rope_parameters` (transformers 5) or `rope_theta` and `rope_scaling` (4.x)."""
     if "rope_parameters" in c.values:
-        parameters = dict(c["rope_parameters"])
-        theta = parameters.pop("rope_theta")
+        parameters = _rope_dict(c, "rope_parameters")
+        theta = _rope_value(c, "rope_parameters", parameters, "rope_theta", "positive number")
     else:
-        theta, parameters = c["rope_theta"], dict(c["rope_scaling"] or {})
+        theta, parameters = c["rope_theta"], _rope_dict(c, "rope_scaling")
     kind = parameters.pop("rope_type", parameters.pop("type", "default"))
     if kind == "default" and not parameters:
         return f"F.rope(theta={_number(float(theta))})"
     if kind != "llama3":
         raise HFImportError(f"{c.path}: rope type {kind!r} is not one axgen implements (default, llama3)")
+    key = "rope_parameters" if "rope_parameters" in c.values else "rope_scaling"
+    factor, low, high = (
+        float(_rope_value(c, key, parameters, name, "positive number"))
+        for name in ("factor", "low_freq_factor", "high_freq_factor")
+    )
+    original = _rope_value(c, key, parameters, "original_max_position_embeddings", "positive int")
     scaling = (
-        f"F.rope_scaling(factor={float(parameters.pop('factor'))!r}, "
-        f"low_freq_factor={float(parameters.pop('low_freq_factor'))!r}, "
-        f"high_freq_factor={float(parameters.pop('high_freq_factor'))!r}, "
-        f"original_max_position={parameters.pop('original_max_position_embeddings')})"
+        f"F.rope_scaling(factor={factor!r}, low_freq_factor={low!r}, high_freq_factor={high!r}, "
+        f"original_max_position={original})"
     )
     if parameters:
-        key, value = next(iter(parameters.items()))
+        name, value = next(iter(parameters.items()))
         raise HFImportError(
-            f"{c.path}: rope parameter {key}={value!r} is not one axgen's llama3 scaling reads"
+            f"{c.path}: {key}.{name}={_shown(value)} is not a parameter axgen's llama3 scaling reads"
         )
     return f"F.rope(theta={_number(float(theta))}, scaling={scaling})"
+
+
+def _rope_dict(c: Config, key: str) -> dict:
+    value = c[key]
+    if value is not None and not isinstance(value, dict):
+        raise HFImportError(f"{c.path}: {key}={_shown(value)} is not an object of RoPE parameters, or null")
+    return dict(value or {})
+
+
+def _rope_value(c: Config, key: str, parameters: dict, name: str, kind: str):
+    """`parameters[name]` (removed from it), which must be of `kind`."""
+    if name not in parameters:
+        raise HFImportError(f"{c.path}: {key} has no {name!r}")
+    value = parameters.pop(name)
+    check, description = KINDS[kind]
+    if not check(value):
+        raise HFImportError(f"{c.path}: {key}.{name}={_shown(value)} is not {description}")
+    return value
 
 
 def _no_attention_bias(c: Config) -> None:
@@ -297,6 +409,8 @@ def mixtral(c: Config) -> SpecSource:
 def qwen2(c: Config) -> SpecSource:
     _activation(c, "hidden_act", ("silu",))
     c.expect("qkv_bias", (True,), "leaves out Qwen2's q, k and v biases, which its checkpoints hold")
+    # Qwen2.5's text models say that they do not use Qwen2-VL's multimodal RoPE sections.
+    c.expect("use_mrope", (False,), "splits RoPE into Qwen2-VL's multimodal sections, which axgen does not")
     _no_window(c)
     source = _decoder(c)
     source.features = [_rope(c), "F.qkv_bias()"]
@@ -332,7 +446,9 @@ def gemma2(c: Config) -> SpecSource:
     _no_attention_bias(c)
     source = _decoder(c)
     head_dim = c["head_dim"] or c["hidden_size"] // c["num_attention_heads"]
-    c.expect("query_pre_attn_scalar", (head_dim,), f"scales queries by other than head_dim={head_dim}")
+    scalar = c["query_pre_attn_scalar"]
+    if scalar != head_dim:  # Gemma-2-27B: 144 (hidden / heads), where head_dim is 128
+        source.attention = source.attention[:-1] + f", scale={_number(scalar)}**-0.5)"
     source.features = [_rope(c), "F.gemma_block()", _alternating_window(c)]
     caps = {"attention": c["attn_logit_softcapping"], "final": c["final_logit_softcapping"]}
     caps = {name: cap for name, cap in caps.items() if cap is not None}
@@ -391,6 +507,7 @@ spec = Model(
     vocab_size={_number(source.vocab_size)},
     d_model={_number(source.d_model)},
     tie_embeddings={source.tie_embeddings!r},
+    checkpoint_dtype={source.checkpoint_dtype!r},
     decoder=Decoder(
         num_layers={source.num_layers},
         attention={source.attention},
@@ -428,9 +545,12 @@ def model_name(out: Path) -> str:
     return re.sub(r"[^a-z0-9._-]", "-", out.stem.lower().replace("_", "-"))
 
 
-def import_hf(config_path: Path, out: Path, choices: TrainChoices, name: str | None = None) -> Model:
-    """Writes the spec of an HF config to `out` (black-formatted; only once it loads as a valid spec) and returns
-    it."""
+def import_hf(
+    config_path: Path, out: Path, choices: TrainChoices, name: str | None = None, overwrite: bool = False
+) -> Model:
+    """Writes the spec of an HF config to `out` (black-formatted; only once it loads as a valid spec for each of
+    its targets) and returns it."""
+    check_replaceable(out, overwrite)
     config, origin, sha256 = read_config(config_path)
     source, _ = import_config(config, origin)
     text = black.format_str(
@@ -439,6 +559,18 @@ def import_hf(config_path: Path, out: Path, choices: TrainChoices, name: str | N
     with tempfile.TemporaryDirectory() as scratch:
         trial = Path(scratch) / out.name
         trial.write_text(text)
-        spec = load_spec(trial)
+        try:
+            spec = load_spec(trial)
+        except SpecError as err:
+            # The spec is a scratch file about to go: name the config that made it.
+            why = re.sub(rf"^{re.escape(str(trial))}(:\d+)?: ", "", str(err))
+            raise HFImportError(f"{origin}: gives a spec axgen refuses: {why}") from None
+    for target in spec.targets:
+        try:
+            family_for(spec, target)
+        except SpecError:
+            raise HFImportError(
+                f"--target {target!r} is not a target axgen knows (`axgen targets` lists them)"
+            ) from None
     write_atomically(out, text)
     return spec

@@ -9,8 +9,11 @@ so the host holds the params once, plus one tensor while a param's layers are st
 from __future__ import annotations
 
 import json
+import math
 import shutil
+import signal
 import struct
+import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -18,7 +21,8 @@ import ml_dtypes
 import numpy as np
 
 from axgen.files import check_replaceable, staging_dir
-from axgen.interop import CheckpointError, hf_layout, hf_names, hf_to_params, host_jax
+from axgen.hf_families import fused_view
+from axgen.interop import CheckpointError, hf_layout, hf_names, hf_shapes, hf_to_params, host_jax
 from axgen.spec import Model
 
 INDEX = "model.safetensors.index.json"
@@ -33,6 +37,19 @@ DTYPES = {
 }
 # Tensors some checkpoints carry that are not weights: RoPE's inverse frequencies, recomputed from theta.
 NOT_WEIGHTS = ("rotary_emb.inv_freq",)
+
+
+def _offsets(path: Path, name: str, entry) -> tuple[int, int]:
+    offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+        raise CheckpointError(f"{path}: tensor {name!r}: data_offsets {offsets!r} is not [begin, end]")
+    if not 0 <= offsets[0] <= offsets[1]:
+        raise CheckpointError(f"{path}: tensor {name!r}: data_offsets {offsets!r} run backwards")
+    return offsets[0], offsets[1]
+
+
+def _is_shape(shape) -> bool:
+    return isinstance(shape, list) and all(type(size) is int and size >= 0 for size in shape)
 
 
 class HFCheckpoint(Mapping):
@@ -72,25 +89,45 @@ class HFCheckpoint(Mapping):
                 header = json.loads(f.read(length))
         except (OSError, ValueError, struct.error) as err:
             raise CheckpointError(f"{path}: not a readable safetensors file ({err})") from None
+        if not isinstance(header, dict):
+            raise CheckpointError(f"{path}: not a safetensors file (its header is not a JSON object)")
         header.pop("__metadata__", None)
         size = path.stat().st_size
-        for name, entry in header.items():
-            begin, end = entry["data_offsets"]
-            entry["range"] = (8 + length + begin, 8 + length + end)
-            if entry["range"][1] > size or entry["dtype"] not in DTYPES:
-                why = "truncated" if entry["range"][1] > size else f"dtype {entry['dtype']} is not read"
+        previous_end, previous = 0, None
+        for name, entry in sorted(header.items(), key=lambda item: _offsets(path, *item)):
+            begin, end = _offsets(path, name, entry)
+            why = None
+            if entry.get("dtype") not in DTYPES:
+                why = f"dtype {entry.get('dtype')!r} is not one axgen reads ({', '.join(DTYPES)})"
+            elif not _is_shape(entry.get("shape")):
+                why = f"shape {entry.get('shape')!r} is not a list of sizes"
+            elif np.dtype(DTYPES[entry["dtype"]]).itemsize * math.prod(entry["shape"]) != end - begin:
+                why = f"its {end - begin} bytes are not a {entry['dtype']} {entry['shape']}"
+            elif 8 + length + end > size:
+                why = f"ends at byte {8 + length + end}, past the file's {size}: truncated"
+            elif begin < previous_end:  # the format forbids it: two tensors would share bytes
+                why = f"its bytes overlap those of {previous!r}"
+            if why:
                 raise CheckpointError(f"{path}: tensor {name!r}: {why}")
+            entry["range"] = (8 + length + begin, 8 + length + end)
+            previous_end, previous = end, name
         return header
 
     def __getitem__(self, name: str) -> np.ndarray:
         file, entry = self.entries[name]
         begin, end = entry["range"]
         tensor = np.empty(entry["shape"], DTYPES[entry["dtype"]])
-        if tensor.nbytes != end - begin:
-            raise CheckpointError(f"{self.directory / file}: tensor {name!r} is not {entry['shape']}")
         with open(self.directory / file, "rb") as f:
             f.seek(begin)
-            f.readinto(tensor.reshape(-1).view(np.uint8))  # bf16 has no buffer format: read its bytes
+            read = f.readinto(tensor.reshape(-1).view(np.uint8))  # bf16 has no buffer format: read its bytes
+        if read != end - begin:
+            raise CheckpointError(f"{self.directory / file}: tensor {name!r}: truncated while read")
+        if tensor.dtype.kind not in "iu" and not np.isfinite(tensor).all():
+            bad = int(tensor.size - np.isfinite(tensor).sum())
+            raise CheckpointError(
+                f"{self.directory / file}: tensor {name!r} holds {bad} NaN or infinite values; training from it "
+                "would skip every step"
+            )
         return tensor
 
     def __iter__(self) -> Iterator[str]:
@@ -124,26 +161,71 @@ def _tied_head(name: str, spec: Model) -> bool:
 
 
 def convert_hf(spec: Model, hf_dir: Path, out: Path, overwrite: bool = False) -> dict:
-    """Writes the program's params from an HF checkpoint folder as an orbax checkpoint at `out`, published only
-    when complete; returns the params."""
+    """Writes the program's params from an HF checkpoint folder (the Hub's per-expert layout or transformers 5's
+    fused one) as an orbax checkpoint at `out`, published only when complete; returns the params."""
     host_jax()
     import orbax.checkpoint as ocp
 
     out = Path(out).resolve()
     check_replaceable(out, overwrite, "_CHECKPOINT_METADATA")
-    checkpoint = HFCheckpoint(hf_dir)
-    check_names(checkpoint, spec, str(hf_dir))
-    params = hf_to_params(checkpoint, spec, dtype=None)
-    staging = staging_dir(out)
-    try:
-        with ocp.Checkpointer(_uncopied_uncompressed(ocp)) as checkpointer:
-            checkpointer.save(staging / "params", args=ocp.args.PyTreeSave(params))
-        if out.exists():
-            shutil.rmtree(out)
-        (staging / "params").rename(out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+    with HeldInterrupts() as interrupts:
+        checkpoint = fused_view(HFCheckpoint(hf_dir), spec, hf_shapes(spec), str(hf_dir))
+        check_names(checkpoint, spec, str(hf_dir))
+        params = hf_to_params(_Checked(checkpoint, interrupts), spec, dtype=None)
+        staging = staging_dir(out)
+        try:
+            with ocp.Checkpointer(_uncopied_uncompressed(ocp)) as checkpointer:
+                checkpointer.save(staging / "params", args=ocp.args.PyTreeSave(params))
+            interrupts.check()
+            if out.exists():
+                shutil.rmtree(out)
+            (staging / "params").rename(out)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
     return params
+
+
+class HeldInterrupts:
+    """Ctrl-C and SIGTERM while a conversion runs are held, then raised as KeyboardInterrupt at the next
+    `check()` (between tensors, and before the checkpoint is published), where cleaning up is sure: raised inside
+    orbax's save, one was swallowed (exit 0) or killed its executor's threads mid-write."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __enter__(self) -> HeldInterrupts:
+        self.received = None
+        self.previous = {}
+        if threading.current_thread() is threading.main_thread():  # only the main thread may set handlers
+            self.previous = {number: signal.signal(number, self._hold) for number in self.SIGNALS}
+        return self
+
+    def _hold(self, number, frame) -> None:
+        self.received = number
+
+    def check(self) -> None:
+        if self.received is not None:
+            raise KeyboardInterrupt
+
+    def __exit__(self, *exc) -> None:
+        for number, handler in self.previous.items():
+            signal.signal(number, handler)
+
+
+class _Checked(Mapping):
+    """A checkpoint whose every read first raises an interrupt that arrived since the last one."""
+
+    def __init__(self, checkpoint: Mapping, interrupts: HeldInterrupts):
+        self.checkpoint, self.interrupts = checkpoint, interrupts
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        self.interrupts.check()
+        return self.checkpoint[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.checkpoint)
+
+    def __len__(self) -> int:
+        return len(self.checkpoint)
 
 
 def _uncopied_uncompressed(ocp):

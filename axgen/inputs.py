@@ -91,11 +91,12 @@ def _suffix_list() -> str:
 
 
 def read_texts(files: Iterable[Path], options: ReadOptions, skipped: Skipped) -> Iterator[str]:
-    """The non-empty documents of the files, in order."""
+    """The documents of the files that hold more than whitespace, in order: one of only whitespace would be a
+    document of a few tokens that says nothing."""
     readers = {".txt": _plain_text, ".jsonl": _json_lines, ".json": _json_lines, ".parquet": _parquet}
     for path in files:
         for text in readers[path.suffix.lower()](path, options, skipped):
-            if text:
+            if text and not text.isspace():
                 yield text
 
 
@@ -104,7 +105,7 @@ def _plain_text(path: Path, options: ReadOptions, skipped: Skipped) -> Iterator[
         with _open(path) as lines:
             for number, line in enumerate(lines, 1):
                 text = _decoded(line, f"{path}:{number}", skipped)
-                if text is not None and text.strip():
+                if text is not None:
                     yield text.rstrip("\r\n")
         return
     with _open(path) as file:

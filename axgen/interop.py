@@ -4,14 +4,14 @@
     params = hf_to_params(safetensors.numpy.load_file("model.safetensors"), spec)
     logits = program.forward(params, tokens)      # tokens: int32 [batch, seq]
 
-Reads checkpoints of every HF family whose params the spec's graph names (transformers 5 layout): Llama,
+Reads checkpoints of every HF family whose params the spec's graph names, in the names transformers 5 gives
+them in memory (routed experts fused; `axgen.hf_families` maps the Hub's one tensor per expert onto them): Llama,
 Mistral, Mixtral, Qwen2, Qwen3, Qwen2-MoE and Gemma 2 are tested.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import sys
 from collections.abc import Iterator
@@ -154,6 +154,21 @@ def _hf_view(param: Param) -> tuple[int, ...]:
     return tuple(shape)
 
 
+def hf_shape(param: Param) -> tuple[int, ...]:
+    """The shape of the HF tensor that holds the param (one layer of it): a fused tensor's, for one of its parts."""
+    shape = list(_hf_view(param))
+    if param.hf.transpose:
+        shape[-2:] = shape[-1], shape[-2]
+    if param.hf.chunk is not None:
+        shape[-2] *= param.hf.chunk[1]
+    return tuple(shape)
+
+
+def hf_shapes(spec: Model) -> dict[str, tuple[int, ...]]:
+    """Each HF tensor the spec reads, with its shape."""
+    return {name: hf_shape(param) for _, param, layers in hf_layout(spec) for name in hf_names(param, layers)}
+
+
 def hf_names(param: Param, layers: list[int] | None) -> list[str]:
     """The HF tensors a param reads: one per layer it stacks."""
     if param.hf is None:
@@ -182,14 +197,13 @@ def _hf_tensor(state_dict, param: Param, layer: int | None, dtype) -> np.ndarray
             f"the checkpoint has no tensor {name!r} for param {param.key}{list(param.shape)}"
         )
     tensor = np.asarray(state_dict[name], dtype=dtype)
-    count = param.hf.chunk[1] if param.hf.chunk else 1
-    if tensor.size != count * math.prod(param.shape):
+    if tuple(tensor.shape) != hf_shape(param):
+        # Also where the sizes agree: a transposed tensor reshaped to fit would be wrong weights.
         raise CheckpointError(
-            f"tensor {name!r} has shape {list(tensor.shape)}; param {param.key} needs {list(param.shape)}"
-            + (f" from each of its {count} parts" if count > 1 else "")
+            f"tensor {name!r} has shape {list(tensor.shape)}; param {param.key} needs {list(hf_shape(param))}"
         )
     if param.hf.chunk is not None:
-        tensor = np.split(tensor, count, axis=-2)[param.hf.chunk[0]]
+        tensor = np.split(tensor, param.hf.chunk[1], axis=-2)[param.hf.chunk[0]]
     if param.hf.transpose:
         tensor = np.swapaxes(tensor, -1, -2)
     return tensor.reshape(param.shape)

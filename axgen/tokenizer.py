@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import sys
 from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Encoding, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from axgen.files import write_atomically
+from axgen.files import check_replaceable, write_atomically
 from axgen.inputs import DataError, ReadOptions, Skipped, expand_inputs, no_documents, read_texts
 
 CONFIG = "tokenizer_config.json"
@@ -25,6 +26,10 @@ BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>")
 TRAINED_EOS = "<|endoftext|>"
 TRAINED_BOS = "<|begin_of_text|>"
 BYTE_ALPHABET = 256
+# tokenizers' BPE trainer allocates about 70 bytes per token asked for before it reads a text, and aborts the
+# process (a Rust panic) when that fails: 10**9 did. 2**24 needs about 1.2 GB, and is 64 times the largest
+# vocabularies in use.
+MAX_TRAINED_VOCAB = 2**24
 # Texts per encode call, by size: large enough to keep every core of tokenizers' thread pool busy, small
 # enough that reading the next batch and writing the last one overlap with it.
 BATCH_CHARS = 4_000_000
@@ -157,17 +162,25 @@ def _token_id(tokenizer: Tokenizer, path: Path, token: str, named_by: str) -> in
 
 
 def train_tokenizer(
-    inputs: Iterable[str], vocab_size: int, out: Path, options: ReadOptions = ReadOptions()
+    inputs: Iterable[str],
+    vocab_size: int,
+    out: Path,
+    options: ReadOptions = ReadOptions(),
+    overwrite: bool = False,
 ) -> tuple[Tokenizer, Skipped]:
-    """Fits a byte-level BPE of `vocab_size` tokens (fewer if the inputs run out of merges) to the documents
-    `axgen data` would read from `inputs`, and writes it to `out` with a tokenizer_config.json beside it
-    naming its BOS and EOS tokens."""
+    """Fits a byte-level BPE of `vocab_size` tokens (fewer, with a warning, if the inputs run out of merges)
+    to the documents `axgen data` would read from `inputs`, and writes it to `out` with a tokenizer_config.json
+    beside it naming its BOS and EOS tokens. Existing files there are replaced only with `overwrite`."""
     special = [TRAINED_EOS, TRAINED_BOS]
     if vocab_size <= BYTE_ALPHABET + len(special):
         raise DataError(
             f"--vocab-size {vocab_size}: must be more than {BYTE_ALPHABET + len(special)} "
             f"({BYTE_ALPHABET} bytes and {len(special)} special tokens)"
         )
+    if vocab_size > MAX_TRAINED_VOCAB:
+        raise DataError(f"--vocab-size {vocab_size}: must be at most {MAX_TRAINED_VOCAB} (2**24)")
+    for path in (out, out.with_name(CONFIG)):
+        check_replaceable(path, overwrite)
     files = expand_inputs(inputs)
     skipped = Skipped(options.skip_bad)
     texts = read_texts(files, options, skipped)
@@ -187,4 +200,12 @@ def train_tokenizer(
     write_atomically(out, tokenizer.to_str(pretty=True))
     config = {"bos_token": TRAINED_BOS, "eos_token": TRAINED_EOS}
     write_atomically(out.with_name(CONFIG), json.dumps(config, indent=2) + "\n")
+    if tokenizer.get_vocab_size() < vocab_size:
+        # A warning, not an error: this is every merge the inputs hold, a usable tokenizer; only more text
+        # gives more, and how many the inputs hold is known only now.
+        print(
+            f"axgen: warning: {out}: {tokenizer.get_vocab_size()} tokens, fewer than --vocab-size "
+            f"{vocab_size}: the inputs ran out of pairs to merge",
+            file=sys.stderr,
+        )
     return tokenizer, skipped

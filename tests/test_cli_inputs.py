@@ -292,7 +292,7 @@ BAD_NUMBERS = (
     ]
     + [
         (["tokenizer", "train", "in.txt", "--out", "t.json", "--vocab-size", value], "--vocab-size")
-        for value in ("0", "-1")
+        for value in ("0", "-1", "1000000000")
     ]
     + [
         (["import-hf", "config.json", "--out", "s.py", flag, value], flag)

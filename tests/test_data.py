@@ -14,8 +14,9 @@ import axgen.data
 from axgen.cli import main
 from axgen.corpus import MODULES, write_corpus
 from axgen.data import read_manifest, write_dataset
-from axgen.files import OutputError
+from axgen.files import OutputError, staging_dir
 from axgen.inputs import DataError
+from axgen.tokenizer import train_tokenizer
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -273,6 +274,45 @@ def test_tokenizer_train_needs_room_for_bytes_and_special_tokens(tmp_path, capsy
     assert message == "--vocab-size 258: must be more than 258 (256 bytes and 2 special tokens)"
 
 
+def test_tokenizer_train_refuses_a_vocabulary_too_large_to_allocate(tmp_path, capsys, tokenizer_file):
+    # tokenizers allocates for every token asked for before it reads a text: 10**9 aborted the process.
+    message = error_of(
+        capsys, "tokenizer", "train", tokenizer_file, "--vocab-size", 10**9, "--out", tmp_path / "t.json"
+    )
+    assert message == "--vocab-size 1000000000: must be at most 16777216 (2**24)"
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tokenizer_train_warns_when_the_inputs_give_fewer_tokens_than_asked(tmp_path, capsys):
+    (tmp_path / "in.txt").write_text("a tiny corpus, a tiny corpus")
+    out = tmp_path / "tok.json"
+    code, printed, err = run(
+        capsys, "tokenizer", "train", tmp_path / "in.txt", "--vocab-size", 100000, "--out", out
+    )
+    size = Tokenizer.from_file(str(out)).get_vocab_size()
+    assert code == 0 and size < 300 and f"({size} tokens)" in printed
+    assert err == (
+        f"axgen: warning: {out}: {size} tokens, fewer than --vocab-size 100000: the inputs ran out of pairs to"
+        " merge\n"
+    )
+
+
+def test_tokenizer_train_replaces_an_existing_tokenizer_only_when_asked(tmp_path, capsys):
+    (tmp_path / "in.txt").write_text("\n".join(TEXTS * 3))
+    out = tmp_path / "tok" / "tokenizer.json"
+    train = ["tokenizer", "train", tmp_path / "in.txt", "--vocab-size", 320, "--out", out]
+    assert run(capsys, *train)[0] == 0
+    trained = out.read_bytes()
+    out.write_text("mine")
+    assert error_of(capsys, *train) == f"{out}: already exists (pass --force to replace it)"
+    out.unlink()
+    config = out.with_name("tokenizer_config.json")
+    assert error_of(capsys, *train) == f"{config}: already exists (pass --force to replace it)"
+    assert sorted(p.name for p in out.parent.iterdir()) == ["tokenizer_config.json"]
+    train_tokenizer([str(tmp_path / "in.txt")], 320, out, overwrite=True)  # what --force passes
+    assert out.read_bytes() == trained
+
+
 def decoded_documents(directory: Path, tokenizer_file: Path, split: str = "train") -> list[str]:
     """The text of each document, checked to be framed by the trained tokenizer's BOS (1) and EOS (0)."""
     tokenizer = Tokenizer.from_file(str(tokenizer_file))
@@ -370,6 +410,7 @@ def bad_input_cases(tmp: Path) -> list[tuple[list[str], str]]:
     pq.write_table(pa.table({"text": [1, 2]}), tmp / "ints.parquet")
     pq.write_table(pa.table({"text": ["a", None]}), tmp / "nulls.parquet")
     (tmp / "empty.txt").write_text("")
+    (tmp / "blank.txt").write_text(" \n\t\r\n")
     (tmp / "data.csv").write_text("a,b\n")
     (tmp / "nothing").mkdir()
     return [
@@ -383,6 +424,7 @@ def bad_input_cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["ints.parquet"], '{tmp}/ints.parquet: column "text" holds int64, not strings; pass --column'),
         (["nulls.parquet"], '{tmp}/nulls.parquet: row 1: "text" is null'),
         (["empty.txt"], "no documents in {tmp}/empty.txt"),
+        (["blank.txt"], "no documents in {tmp}/blank.txt"),
         (["data.csv"], "{tmp}/data.csv: not an input file type (expected .txt, .jsonl, .json or .parquet)"),
         (["nothing"], "{tmp}/nothing: no .txt, .jsonl, .json or .parquet files in this directory"),
         (["*.missing"], "{tmp}/*.missing: no input files matched"),
@@ -466,6 +508,18 @@ def test_an_existing_output_is_refused_without_force(tmp_path, capsys, tokenizer
     assert data(capsys, tokenizer_file, tmp_path / "ds", tmp_path / "in.txt", "--force")[0] == 0
     assert decoded_documents(tmp_path / "ds", tokenizer_file) == ["second"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds", "in.txt"]
+
+
+def test_an_out_whose_folder_cannot_be_made_is_one_line(tmp_path, capsys, tokenizer_file):
+    """Root passes every check made before the work, yet no folder can be made under /proc: `axgen data`, and
+    `convert-hf` and `export-hf` through the same staging_dir, say so in one line."""
+    (tmp_path / "in.txt").write_text("some text")
+    out = Path("/proc/axgen-test/ds")
+    message = error_of(capsys, "data", tmp_path / "in.txt", "--tokenizer", tokenizer_file, "--out", out)
+    assert message.startswith(f"{out}: cannot ")
+    with pytest.raises(OutputError, match=f"^{out}: cannot create /proc/axgen-test "):
+        staging_dir(out)
+    assert not out.parent.exists()
 
 
 def test_an_interrupted_run_publishes_nothing(tmp_path, capsys, monkeypatch, tokenizer_file):

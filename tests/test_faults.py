@@ -17,8 +17,10 @@ from tests.conftest import PROGRAM_ENV, ROOT, program_args, python_result, train
 from bench.faults import DAMAGE, flip_a_bit, truncate
 
 from axgen.cli import main as axgen
+from axgen.runtime.faults import lock_run_dir, make_run_dir
 
 CPU_8 = ROOT / "generated/llama_tiny/cpu_8.py"
+CPU_1 = ROOT / "generated/llama_tiny/cpu_1.py"
 
 
 def checkpoints(run_dir) -> list[int]:
@@ -167,7 +169,39 @@ def test_a_model_far_too_big_for_the_machine_is_refused_before_it_allocates(corp
     line = result.stderr.strip().splitlines()[-1]
     assert line.startswith("error: a training step of llama-tiny at --batch 16 needs "), line
     assert "GiB per device (XLA's estimate) and a cpu device here has" in line
-    assert not list((tmp_path / "run" / "checkpoints").iterdir())
+    assert not (tmp_path / "run").exists(), "the run dir it made, and its lock and checkpoints, are removed"
+
+
+def test_a_failed_init_from_leaves_the_run_dir_as_it_found_it(corpus, tmp_path):
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "notes.txt").write_text("not a checkpoint")
+    run_dir = tmp_path / "runs" / "first"
+    result = python_result(str(CPU_1), *program_args(corpus, run_dir, 2), "--init-from", tmp_path / "junk")
+    assert result.returncode == 1
+    assert (
+        result.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"error: {tmp_path / 'junk'} does not hold llama-tiny's params: ")
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["junk"]
+
+
+def test_a_failed_run_removes_its_lock_and_the_folders_it_made_only_while_empty(tmp_path):
+    run_dir = tmp_path / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)  # found there: kept, as the lock file found there is
+    (run_dir / ".lock").write_text("pid 1 on an earlier run")
+    with pytest.raises(SystemExit):
+        with lock_run_dir(run_dir, make_run_dir(run_dir)):
+            raise SystemExit("error: a failure before the first step")
+    assert sorted(p.name for p in run_dir.iterdir()) == [".lock", "checkpoints"]
+
+    run_dir = tmp_path / "new"
+    with pytest.raises(SystemExit):
+        with lock_run_dir(run_dir, [str(run_dir / "checkpoints"), *make_run_dir(run_dir)]):
+            (run_dir / "checkpoints").mkdir()
+            (run_dir / "metrics.jsonl").write_text("{}\n")  # what the run wrote is kept, with its folder
+            raise SystemExit("error: a failure after a step")
+    assert [p.name for p in run_dir.iterdir()] == ["metrics.jsonl"]
 
 
 def free_port() -> int:

@@ -99,10 +99,26 @@ BAD = [
     ("hidden_act", "gelu", "hidden_act='gelu' is an activation axgen's gated MLP does not use"),
     ("attention_dropout", 0.1, "attention_dropout=0.1 is dropout in attention"),
     ("shiny_new_key", 3, "shiny_new_key=3 is a key axgen's llama import does not know, so it stops"),
+    # JSON of the wrong kind: none is read as a number, none is replaced by a default.
+    ("hidden_size", "64", 'hidden_size="64" is not an integer > 0'),
+    ("hidden_size", True, "hidden_size=true is not an integer > 0"),
+    ("num_attention_heads", 0, "num_attention_heads=0 is not an integer > 0"),
+    ("head_dim", 0, "head_dim=0 is not an integer > 0, or null"),
+    ("rope_theta", "abc", 'rope_theta="abc" is not a finite number > 0'),
+    ("rms_norm_eps", float("nan"), "rms_norm_eps=nan is not a finite number > 0"),
+    ("rope_scaling", [1, 2], "rope_scaling=[1, 2] is not an object of RoPE parameters, or null"),
+    (
+        "rope_scaling",
+        {"rope_type": "llama3", "factor": "8"},
+        'rope_scaling.factor="8" is not a finite number',
+    ),
+    ("tie_word_embeddings", 1, "tie_word_embeddings=1 is not true or false"),
+    ("torch_dtype", "int8", "torch_dtype='int8' is not a dtype axgen reads (bfloat16, float16, float32)"),
+    ("num_key_value_heads", 3, "gives a spec axgen refuses: Attention.num_kv_heads=3 does not divide"),
 ]
 
 
-@pytest.mark.parametrize(("key", "value", "message"), BAD, ids=[b[0] for b in BAD])
+@pytest.mark.parametrize(("key", "value", "message"), BAD, ids=[f"{b[0]}={b[1]!r}" for b in BAD])
 def test_a_key_axgen_cannot_honour_stops_the_import_naming_it(key, value, message, tmp_path, capsys):
     config = json.loads((CONFIGS / "llama2_7b.json").read_text()) | {key: value}
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -111,6 +127,29 @@ def test_a_key_axgen_cannot_honour_stops_the_import_naming_it(key, value, messag
     assert output == f"axgen: error: {tmp_path / 'config.json'}: {message}" + output.split(message, 1)[1]
     assert output.count("\n") == 1
     assert not (tmp_path / "specs").exists(), "nothing is written"
+
+
+def test_a_config_nested_too_deeply_is_named(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("[" * 100_000 + "]" * 100_000)
+    code, output = import_spec(capsys, tmp_path / "config.json", tmp_path / "x.py")
+    assert (code, output) == (
+        2,
+        f"axgen: error: {tmp_path / 'config.json'}: not a config: its JSON nests too deeply\n",
+    )
+
+
+def test_an_unknown_target_and_an_existing_out_are_refused(tmp_path, capsys):
+    config = CONFIGS / "llama2_7b.json"
+    code = axgen(["import-hf", str(config), "--out", str(tmp_path / "x.py"), "--target", "foo-9"])
+    assert code == 2 and "--target 'foo-9' is not a target axgen knows" in capsys.readouterr().err
+    assert not (tmp_path / "x.py").exists()
+    (tmp_path / "x.py").write_text("mine")
+    assert import_spec(capsys, config, tmp_path / "x.py") == (
+        2,
+        f"axgen: error: {tmp_path / 'x.py'}: already exists (pass --force to replace it)\n",
+    )
+    assert (tmp_path / "x.py").read_text() == "mine"
+    assert axgen(["import-hf", str(config), "--out", str(tmp_path / "x.py"), "--force"]) == 0
 
 
 def test_a_missing_or_broken_config_is_named(tmp_path, capsys):

@@ -2,12 +2,16 @@
 into a sharded mesh with `--init-from`, and fine-tuned from."""
 
 import json
+import os
+import signal
+import struct
 import subprocess
 import sys
 
 import jax
 import ml_dtypes
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from safetensors.numpy import save_file
 from tests.conftest import PROGRAM_ENV, ROOT, run_python
@@ -16,6 +20,7 @@ from axgen.build import build
 from axgen.files import write_atomically
 from axgen.cli import main as axgen
 from axgen.data import write_dataset
+from axgen.hf_weights import HFCheckpoint
 from axgen.interop import hf_to_params, load_program
 from axgen.runtime.program import Program
 
@@ -102,6 +107,17 @@ BAD = {
         lambda t: t.update({"model.norm.weight": np.zeros(7, np.float32)}),
         "tensor 'model.norm.weight' has shape [7]; param final_norm needs [64]",
     ),
+    # As many elements as the param, the wrong way round: read as they are, they would be wrong weights.
+    "transposed": (
+        lambda t: t.update(
+            {"model.layers.0.self_attn.k_proj.weight": t["model.layers.0.self_attn.k_proj.weight"].T}
+        ),
+        "tensor 'model.layers.0.self_attn.k_proj.weight' has shape [64, 32]; param wk needs [32, 64]",
+    ),
+    "not finite": (
+        lambda t: t["model.layers.1.mlp.down_proj.weight"].__setitem__((0, 0), np.nan),
+        "tensor 'model.layers.1.mlp.down_proj.weight' holds 1 NaN or infinite values",
+    ),
 }
 
 
@@ -111,6 +127,47 @@ def test_a_checkpoint_that_does_not_fit_the_spec_names_the_tensor(case, tmp_path
     code, output = convert(capsys, damaged(tmp_path, change), tmp_path / "ckpt")
     assert code == 2 and message in output and output.count("\n") == 1, output
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"], "no partial output"
+
+
+def test_overlapping_tensors_in_a_shard_are_refused(tmp_path, capsys):
+    """The safetensors format forbids two tensors sharing bytes; a header that says they do is damaged."""
+    (tmp_path / "hf").mkdir()
+    save_file(state_dict(), str(tmp_path / "hf/model.safetensors"))
+    data = (tmp_path / "hf/model.safetensors").read_bytes()
+    (length,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + length])
+    first, second = sorted(
+        (n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"]
+    )[:2]
+    assert header[first]["shape"] == header[second]["shape"]  # the embedding and the output head
+    header[second]["data_offsets"] = header[first]["data_offsets"]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (length - len(text))
+    (tmp_path / "hf/model.safetensors").write_bytes(data[:8] + text + data[8 + length :])
+    code, output = convert(capsys, tmp_path / "hf", tmp_path / "ckpt")
+    assert code == 2 and f"tensor {second!r}: its bytes overlap those of {first!r}" in output, output
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_ctrl_c_during_a_conversion_stops_it_with_nothing_written(tmp_path, capsys, monkeypatch):
+    """An interrupt is held until the next tensor, then stops the conversion: exit 130, no checkpoint, no staging
+    folder."""
+    save_sharded(tmp_path / "hf", state_dict())
+    reads = []
+    original = HFCheckpoint.__getitem__
+
+    def read_and_interrupt(self, name):
+        reads.append(name)
+        if len(reads) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(self, name)
+
+    monkeypatch.setattr(HFCheckpoint, "__getitem__", read_and_interrupt)
+    code, output = convert(capsys, tmp_path / "hf", tmp_path / "ckpt")
+    assert (code, output) == (130, "axgen: interrupted\n")
+    assert len(reads) == 3, "stopped at the next tensor"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_a_truncated_shard_is_named(tmp_path, capsys):
@@ -165,7 +222,12 @@ def test_a_non_finite_step_never_reaches_the_params_and_enough_in_a_row_stop_the
     tensors = state_dict()
     tensors["model.norm.weight"][3] = np.inf
     save_sharded(tmp_path / "hf", tensors)
-    assert convert(capsys, tmp_path / "hf", tmp_path / "ckpt")[0] == 0
+    code, output = convert(capsys, tmp_path / "hf", tmp_path / "ckpt")
+    assert code == 2 and "tensor 'model.norm.weight' holds 1 NaN or infinite values" in output
+    assert not (tmp_path / "ckpt").exists()
+    # The program meets such params all the same where a checkpoint was written by other means.
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", hf_to_params(tensors, load_program_spec()))
     write_dataset(
         tmp_path / "data", [np.arange(1, 100)] * 20, vocab_size=128, bos_id=None, eos_id=0, eval_fraction=0
     )
@@ -190,3 +252,44 @@ def test_a_non_finite_step_never_reaches_the_params_and_enough_in_a_row_stop_the
         " are the last good step's"
     )
     assert not (tmp_path / "run/checkpoints").exists() or not any((tmp_path / "run/checkpoints").iterdir())
+
+
+def hub_mixtral() -> dict[str, np.ndarray]:
+    """The tiny Mixtral as save_pretrained writes it, and as the Hub holds Mixtral: one tensor per expert."""
+    fixture = np.load(ROOT / "tests/fixtures/hf_mixtral_hub.npz")
+    return {name: fixture[name] for name in fixture.files}
+
+
+EXPERT = "model.layers.1.block_sparse_moe.experts"
+BAD_EXPERTS = {
+    "both layouts": (
+        lambda t: t.update({"model.layers.0.mlp.experts.down_proj": np.zeros((4, 64, 96), np.float32)}),
+        "holds both expert layouts ('model.layers.0.mlp.experts.down_proj', fused, and "
+        "'model.layers.0.block_sparse_moe.experts.0.w1.weight', one per expert)",
+    ),
+    "an expert missing": (
+        lambda t: t.pop(f"{EXPERT}.3.w3.weight"),
+        f"has no tensor '{EXPERT}.3.w3.weight', which the spec needs",
+    ),
+    "an expert too many": (
+        lambda t: t.update({f"{EXPERT}.4.w1.weight": t[f"{EXPERT}.0.w1.weight"]}),
+        f"holds '{EXPERT}.4.w1.weight', but the spec has 4 experts (0 to 3)",
+    ),
+    "an expert transposed": (
+        lambda t: t.update({f"{EXPERT}.2.w2.weight": t[f"{EXPERT}.2.w2.weight"].T}),
+        f"tensor '{EXPERT}.2.w2.weight' is [96, 64]; the spec needs [64, 96]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_EXPERTS)
+def test_a_hub_layout_checkpoint_that_does_not_fit_names_the_expert_tensor(case, tmp_path, capsys):
+    change, message = BAD_EXPERTS[case]
+    tensors = hub_mixtral()
+    change(tensors)
+    save_sharded(tmp_path / "hf", tensors)
+    spec = ROOT / "tests/fixtures/hf_mixtral_spec.py"
+    code = axgen(["convert-hf", str(spec), "--hf", str(tmp_path / "hf"), "--out", str(tmp_path / "ckpt")])
+    output = capsys.readouterr().err
+    assert code == 2 and message in output and output.count("\n") == 1, output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"], "no partial output"

@@ -1,6 +1,7 @@
 """Mesh rules and their modifiers: a spec's rules come first, backends' defaults follow; gradient accumulation
 equals the one-pass step; the TPU splash kernel equals XLA attention; multi-slice targets split `data`."""
 
+import ast
 import functools
 
 import jax
@@ -10,6 +11,7 @@ import pytest
 
 from axgen.backends import plan_for
 from axgen.build import build
+from axgen.cli import main as axgen
 from axgen.files import write_atomically
 from axgen.interop import load_program
 from axgen.loader import load_spec
@@ -215,29 +217,44 @@ def test_a_batch_that_does_not_split_into_the_microbatches_is_refused(tmp_path, 
     assert "--batch 6 does not split into GRAD_ACCUM_STEPS=4 microbatches" in capsys.readouterr().err
 
 
-def tiny_program_with(tmp_path, features: str, target: str):
-    """llama_tiny with more features, built for `target` and imported."""
+def tiny_program_with(tmp_path, features: str, target: str, scale: float | None = None):
+    """llama_tiny with more features (and an attention scale of its own), built for `target` and imported."""
     spec = tmp_path / "variant.py"
     spec.write_text(
         "from specs.llama_tiny import spec as tiny\nfrom axgen.spec import features as F\n"
-        f"spec = tiny.replace(features=[*tiny.features, {features}])\n"
+        f"attention = tiny.decoder.attention.replace(scale={scale!r})\n"
+        f"spec = tiny.replace(features=[*tiny.features, {features}], "
+        "decoder=tiny.decoder.replace(attention=attention))\n"
     )
     program = tmp_path / f"variant_{target.replace('-', '_')}.py"
     write_atomically(program, build(spec, target).source)
     return load_program(program)
 
 
-@pytest.mark.parametrize(("window", "softcap"), [(None, None), (64, None), (None, 2.0), (64, 2.0)])
-def test_splash_kernel_equals_xla_attention_when_sharded(window, softcap, tmp_path):
+@pytest.mark.parametrize(
+    ("window", "softcap", "scale"),
+    [
+        (None, None, None),
+        (64, None, None),
+        (None, 2.0, None),
+        (64, 2.0, None),
+        (None, None, 0.3),
+        (64, 2.0, 0.3),
+    ],
+)
+def test_splash_kernel_equals_xla_attention_when_sharded(window, softcap, scale, tmp_path):
     """Splash in interpret mode against XLA: causal, with a sliding window (a local mask), with soft-capped scores
-    (the kernel's own cap against the XLA helper the program uses where a kernel has none), each over rows that pack
-    several documents (segment ids into the kernel against XLA's dense document mask)."""
-    options = {k: v for k, v in {"window": window, "softcap": softcap}.items() if v is not None}
+    (the kernel's own cap against the XLA helper the program uses where a kernel has none), with a softmax scale
+    other than head_dim**-0.5 (Gemma-2-27B's), each over rows that pack several documents (segment ids into the
+    kernel against XLA's dense document mask)."""
+    options = {
+        k: v for k, v in {"window": window, "softcap": softcap, "scale": scale}.items() if v is not None
+    }
     features = [f"F.sliding_window(window={window})"] * bool(window) + [
         f"F.softcap(attention={softcap})"
     ] * bool(softcap)
-    if features:
-        program = tiny_program_with(tmp_path, ", ".join(features), "tpu-v5e-8")
+    if features or scale:
+        program = tiny_program_with(tmp_path, ", ".join(features), "tpu-v5e-8", scale)
     else:
         program = load_program(ROOT / "generated/llama_tiny/tpu_v5e_8.py")
     q, k, v = (
@@ -262,11 +279,10 @@ def test_splash_kernel_equals_xla_attention_when_sharded(window, softcap, tmp_pa
         mask=program.document_mask(segment_ids),
         is_causal=True,
         local_window_size=local_window_size,
+        scale=scale,
     )
     if softcap is not None:
-        xla = functools.partial(
-            program.softcapped_attention, segment_ids=segment_ids, softcap=softcap, window=window
-        )
+        xla = functools.partial(program.softcapped_attention, segment_ids=segment_ids, **options)
     expected = xla(q, k, v)
     expected_grads = jax.grad(functools.partial(loss, xla), argnums=(0, 1, 2))(q, k, v)
     splash = functools.partial(program.causal_attention, segment_ids=segment_ids, interpret=True, **options)
@@ -279,6 +295,36 @@ def test_splash_kernel_equals_xla_attention_when_sharded(window, softcap, tmp_pa
     np.testing.assert_allclose(out, expected, atol=1e-5)
     for grad, expected_grad in zip(grads, expected_grads):
         np.testing.assert_allclose(grad, expected_grad, atol=1e-4 * float(jnp.abs(expected_grad).max()))
+
+
+@pytest.mark.parametrize(
+    ("target", "features", "kernel"),
+    [
+        ("cpu-1", "", "jax.nn.dot_product_attention"),
+        ("gpu-h100-8", "", "jax.nn.dot_product_attention"),
+        ("gpu-h100-8", "F.softcap(attention=2.0)", "softcapped_attention"),
+        ("tpu-v5e-8", "F.softcap(attention=2.0)", "causal_attention"),
+    ],
+)
+def test_an_attention_scale_reaches_every_kernel(target, features, kernel, tmp_path, capsys):
+    """A spec's own softmax scale is a lowering attr that every kernel's call takes: XLA's and cuDNN's (through
+    jax.nn.dot_product_attention), the soft-capped XLA path and splash."""
+    spec = tmp_path / "scaled.py"
+    spec.write_text(
+        "from specs.llama_tiny import spec as tiny\nfrom axgen.spec import features as F\n"
+        "attention = tiny.decoder.attention.replace(scale=144**-0.5)\n"
+        f"spec = tiny.replace(features=[*tiny.features, {features}], "
+        "decoder=tiny.decoder.replace(attention=attention))\n"
+    )
+    calls = [
+        call
+        for call in ast.walk(ast.parse(build(spec, target).source))
+        if isinstance(call, ast.Call) and ast.unparse(call.func) == kernel
+    ]
+    scales = [ast.unparse(k.value) for call in calls for k in call.keywords if k.arg == "scale"]
+    assert len(scales) == len(calls) and repr(144**-0.5) in scales, scales
+    assert axgen(["graph", str(spec), "--target", target, "--after", "lowering"]) == 0
+    assert f"scale={144**-0.5!r}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("window", [None, 16])

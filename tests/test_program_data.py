@@ -134,8 +134,11 @@ def test_a_token_the_manifest_hides_never_reaches_the_embedding(program, tmp_pat
         tmp_path / "d/train-00000.tokens.npy", np.array([3, 700, 5, 0], np.uint16)
     )  # the manifest says max 5
     split = dataset.PackedSplit(tmp_path / "d", "train", seq_len=4)
-    with pytest.raises(dataset.DatasetError, match="step 0 holds token 700 >= vocab_size=512"):
+    with pytest.raises(dataset.DatasetError) as raised:
         dataset.Batches(split, 1, seed=0, vocab_size=program.CONFIG["vocab_size"]).local_batch(0)
+    assert str(raised.value) == (
+        f"shard {tmp_path / 'd/train-00000.tokens.npy'} holds token 700 >= vocab_size=512 (step 0)"
+    )
 
 
 @pytest.mark.parametrize("damage", ["truncated", "missing", "resized"])
@@ -151,6 +154,25 @@ def test_a_damaged_shard_is_named(program, tmp_path, damage):
     assert f"shard {shard}" in run_main(program, "--data", tmp_path / "d")
 
 
+def test_document_offsets_that_do_not_increase_are_named_with_their_file_and_values(tmp_path):
+    write_dataset(
+        tmp_path / "d",
+        [np.arange(1, 50), np.arange(1, 30), np.arange(1, 80)],
+        vocab_size=256,
+        bos_id=None,
+        eos_id=0,
+        eval_fraction=0,
+    )
+    docs = tmp_path / "d/train-00000.docs.npy"
+    np.save(docs, np.load(docs)[::-1])  # 160, 80, 50
+    with pytest.raises(dataset.DatasetError) as raised:
+        dataset.PackedSplit(tmp_path / "d", "train", seq_len=16)
+    assert (
+        str(raised.value)
+        == f"shard {docs}: document end offsets must increase, but document 1 ends at 80, not after 160"
+    )
+
+
 def test_a_directory_that_is_not_a_dataset_is_named(program, tmp_path):
     # The same words as `axgen data` and `axgen report` use: one reader of the format.
     assert f"{tmp_path / 'manifest.json'}: missing; not a dataset" in run_main(program, "--data", tmp_path)
@@ -158,10 +180,45 @@ def test_a_directory_that_is_not_a_dataset_is_named(program, tmp_path):
     assert f"{tmp_path / 'manifest.json'}:1: not valid JSON" in run_main(program, "--data", tmp_path)
 
 
+def test_eval_data_of_another_tokenizer_is_refused_naming_both_manifests(program, tmp_path):
+    for name, sha256 in (("train", "a" * 64), ("held_out", "b" * 64)):
+        tokenizer = {"path": f"{name}.json", "sha256": sha256, "vocab_size": 256, "bos_id": None, "eos_id": 0}
+        write_dataset(
+            tmp_path / name,
+            documents(),
+            vocab_size=256,
+            bos_id=None,
+            eos_id=0,
+            eval_fraction=0.5,
+            tokenizer=tokenizer,
+        )
+    message = run_main(
+        program, "--data", tmp_path / "train", "--eval-data", tmp_path / "held_out", "--eval-every", "5"
+    )
+    assert message == (
+        f"error: {tmp_path / 'held_out/manifest.json'} records another tokenizer than"
+        f" {tmp_path / 'train/manifest.json'} (sha256 bbbbbbbbbbbb vs aaaaaaaaaaaa): --eval-data must be"
+        " tokenized as --data is"
+    )
+
+
 def test_evaluation_needs_an_eval_split(program, tmp_path):
     write_dataset(tmp_path / "d", documents(), vocab_size=256, bos_id=None, eos_id=0, eval_fraction=0)
     message = run_main(program, "--data", tmp_path / "d", "--eval-every", "5")
     assert f"{tmp_path / 'd'} has no eval split" in message
+
+
+def test_a_run_dir_that_cannot_be_a_folder_is_refused_in_one_line(program, tmp_path):
+    write_dataset(tmp_path / "d", documents(), vocab_size=256, bos_id=None, eos_id=0, eval_fraction=0)
+    (tmp_path / "file").write_text("mine")
+    assert run_main(program, "--data", tmp_path / "d", "--run-dir", tmp_path / "file") == (
+        f"error: --run-dir {tmp_path / 'file'}: {tmp_path / 'file'} is not a directory"
+    )
+    assert (tmp_path / "file").read_text() == "mine"
+    # Root may write anywhere but under /proc, which no check before trying can tell.
+    assert run_main(program, "--data", tmp_path / "d", "--run-dir", "/proc/axgen-test/run").startswith(
+        "error: --run-dir /proc/axgen-test/run: cannot create /proc/axgen-test: "
+    )
 
 
 @pytest.mark.parametrize(

@@ -34,9 +34,9 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, tuple[str, ...]], ...] = tuple(
 # What each attention kernel implements beyond causal attention: an attention node that needs more than its
 # target's kernel does (an attr set, not None) is lowered to XLA's path, which implements everything.
 KERNEL_OPTIONS: dict[str, frozenset[str]] = {
-    "xla": frozenset({"window", "softcap"}),
-    "splash": frozenset({"window", "softcap"}),  # Pallas local masks and attn_logits_soft_cap
-    "cudnn": frozenset({"window"}),  # cuDNN fused attention has a sliding window and no soft-cap
+    "xla": frozenset({"window", "softcap", "scale"}),
+    "splash": frozenset({"window", "softcap", "scale"}),  # Pallas local masks and attn_logits_soft_cap
+    "cudnn": frozenset({"window", "scale"}),  # cuDNN fused attention has a sliding window and no soft-cap
 }
 
 # How each kernel is told where the documents of a packed sequence end: splash takes segment ids and masks by them

@@ -154,6 +154,7 @@ def _decoder_block(g: Graph, spec: Model) -> None:
         source=a,
         label="attention",
         causal=True,
+        scale=attn.scale,
     )
     out = _linear(
         g, "attn_out", out, "wo", "self_attn.o_proj", (heads, head_dim, d), a, "attention", "out_proj"

@@ -72,12 +72,14 @@ class LmHeadAttrs(DotAttrs):
 class AttentionAttrs(Attrs):
     """Attention over keys at or before each query (`causal`) of the query's own document (`segment_ids`).
     `window`: a query sees only the last `window` positions, itself included; `softcap`: scores pass through
-    softcap * tanh(score / softcap) before the softmax. `kernel`, `block` and `document_mask` are the lowering's:
+    softcap * tanh(score / softcap) before the softmax; `scale` multiplies the scores, where it is not
+    head_dim**-0.5. `kernel`, `block` and `document_mask` are the lowering's:
     which implementation runs it, its block length, and how the kernel is told where documents end."""
 
     causal: bool = True
     window: int | None = None
     softcap: float | None = None
+    scale: float | None = None
     kernel: str | None = None
     block: int | None = None
     document_mask: str | None = None

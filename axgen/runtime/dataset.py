@@ -61,6 +61,23 @@ def check_vocabulary(directory, vocab_size: int, spec: str) -> None:
         raise DatasetError(f"{path}: max_token_id {manifest['max_token_id']} is beyond {vocab}")
 
 
+def check_same_tokenizer(train_dir, eval_dir) -> None:
+    """Eval ids made by another tokenizer (or other BOS/EOS tokens) than the training ids measure nothing: the
+    manifests must record the same one."""
+    train, held_out = (read_manifest(directory)["tokenizer"] for directory in (train_dir, eval_dir))
+    differences = [  # a sha256's first 12 hex digits tell it apart
+        f"{key} {str(held_out[key])[:12]} vs {str(train[key])[:12]}"
+        for key in ("sha256", "vocab_size", "bos_id", "eos_id")
+        if held_out[key] != train[key]
+    ]
+    if differences:
+        raise DatasetError(
+            f"{os.path.join(eval_dir, MANIFEST)} records another tokenizer than"
+            f" {os.path.join(train_dir, MANIFEST)} ({', '.join(differences)}): --eval-data must be tokenized as"
+            " --data is"
+        )
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
@@ -76,12 +93,25 @@ def open_shard(directory, shard: dict, token_dtype: str):
         except (OSError, ValueError) as err:
             raise DatasetError(f"shard {path} is unreadable: {err}") from None
     tokens, ends = arrays["tokens"], arrays["docs"]
+    tokens_path, docs_path = (os.path.join(directory, shard[key]) for key in ("tokens", "docs"))
     expected = (shard["num_tokens"],), (shard["num_documents"],)
-    if tokens.dtype != token_dtype or (tokens.shape, ends.shape) != expected or ends[-1] != len(tokens):
+    if tokens.dtype != token_dtype or (tokens.shape, ends.shape) != expected:
         raise DatasetError(
-            f"shard {os.path.join(directory, shard['tokens'])} holds {len(tokens)} {tokens.dtype} tokens"
-            f" in {len(ends)} documents; its manifest says {shard['num_tokens']} {token_dtype} tokens"
-            f" in {shard['num_documents']}"
+            f"shard {tokens_path} holds {len(tokens)} {tokens.dtype} tokens in {len(ends)} documents; its"
+            f" manifest says {shard['num_tokens']} {token_dtype} tokens in {shard['num_documents']}"
+        )
+    bounds = np.concatenate([[0], ends])
+    decreasing = np.flatnonzero(np.diff(bounds) <= 0)
+    if len(decreasing):
+        i = decreasing[0]
+        raise DatasetError(
+            f"shard {docs_path}: document end offsets must increase, but document {i} ends at"
+            f" {bounds[i + 1]}, not after {bounds[i]}"
+        )
+    if bounds[-1] != len(tokens):
+        raise DatasetError(
+            f"shard {docs_path}: the last document ends at {bounds[-1]}, but {tokens_path} holds"
+            f" {len(tokens)} tokens"
         )
     return tokens, ends
 
@@ -96,6 +126,7 @@ class PackedSplit:
         manifest = read_manifest(directory)
         shards = manifest["splits"][split]["shards"]
         self.shards = [open_shard(directory, shard, manifest["token_dtype"]) for shard in shards]
+        self.files = [os.path.join(directory, shard["tokens"]) for shard in shards]
         self.seq_len = seq_len
         windows = [max(1, math.ceil((len(tokens) - 1) / seq_len)) for tokens, _ in self.shards]
         self.first_window = np.cumsum([0, *windows])
@@ -103,9 +134,13 @@ class PackedSplit:
     def __len__(self):
         return int(self.first_window[-1])
 
+    def shard_of(self, index):
+        """The shard that window `index` is cut from."""
+        return int(np.searchsorted(self.first_window, index, side="right")) - 1
+
     def window(self, index):
         """Tokens and segment ids, each [seq_len + 1] int32, of window `index`."""
-        shard = int(np.searchsorted(self.first_window, index, side="right")) - 1
+        shard = self.shard_of(index)
         tokens, ends = self.shards[shard]
         start = (index - self.first_window[shard]) * self.seq_len
         piece = tokens[start : start + self.seq_len + 1]
@@ -146,12 +181,16 @@ class Batches:
         rows = self.global_batch // jax.process_count()
         first = step * self.global_batch + jax.process_index() * rows
         epochs, offsets = np.divmod(np.arange(first, first + rows), len(self.split))
-        windows = [self.split.window(self.order(e)[i]) for e, i in zip(epochs, offsets)]
-        tokens, segment_ids = (np.stack(arrays) for arrays in zip(*windows))
+        indices = [self.order(e)[i] for e, i in zip(epochs, offsets)]
+        tokens, segment_ids = (np.stack(arrays) for arrays in zip(*map(self.split.window, indices)))
         if not self.documents:
             segment_ids = np.minimum(segment_ids, 1)  # padding stays 0
         if tokens.max() >= self.vocab_size:
-            raise DatasetError(f"step {step} holds token {tokens.max()} >= vocab_size={self.vocab_size}")
+            row = int(np.argmax(tokens.max(axis=1)))
+            raise DatasetError(
+                f"shard {self.split.files[self.split.shard_of(indices[row])]} holds token {tokens[row].max()}"
+                f" >= vocab_size={self.vocab_size} (step {step})"
+            )
         return tokens, segment_ids
 
 

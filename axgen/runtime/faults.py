@@ -86,19 +86,53 @@ class NonFiniteGuard:
             )
 
 
-def lock_run_dir(run_dir):
-    """RUN_DIR/.lock, held while the returned context is open, so a second run on the same directory is refused,
-    naming this one; the kernel drops the lock of a process that dies. Process 0 holds it for the whole job.
-    """
-    if jax.process_index() != 0:
-        return contextlib.nullcontext()
-    lock = open(os.path.join(run_dir, ".lock"), "a+")
+class RunDirError(ValueError):
+    """A --run-dir that cannot be a folder; the message names it."""
+
+
+def make_run_dir(run_dir) -> list[str]:
+    """Creates RUN_DIR and the folders above it that are missing; returns those it created, deepest first."""
+    created, path = [], os.path.abspath(run_dir)
+    while not os.path.lexists(path):
+        created.append(path)
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        raise RunDirError(f"--run-dir {run_dir}: {path} is not a directory")
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        raise SystemExit(f"error: {run_dir} is in use by another run ({lock.read().strip()})")
-    lock.truncate(0)
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
-    lock.flush()
-    return lock
+        os.makedirs(run_dir, exist_ok=True)
+    except OSError as err:  # what no check can tell beforehand: root may write anywhere, but not under /proc
+        raise RunDirError(f"--run-dir {run_dir}: cannot create {err.filename}: {err.strerror}") from None
+    return created
+
+
+@contextlib.contextmanager
+def lock_run_dir(run_dir, created=()):
+    """Holds RUN_DIR/.lock while the context is open, so a second run on the same directory is refused, naming
+    this one; the kernel drops the lock of a process that dies. Process 0 holds it for the whole job.
+
+    A run that fails (a wrong --init-from, a model too big) removes the lock file if it made it, and those of
+    the folders it made (`created`, deepest first) that are still empty: a run dir is left as the run found
+    it, with anything the run wrote. It does so before it lets go of the lock, so never under another run."""
+    if jax.process_index() != 0:
+        yield
+        return
+    path = os.path.join(run_dir, ".lock")
+    made = not os.path.lexists(path)
+    with open(path, "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            raise SystemExit(f"error: {run_dir} is in use by another run ({lock.read().strip()})")
+        lock.truncate(0)
+        lock.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        lock.flush()
+        try:
+            yield
+        except BaseException:
+            if made:
+                os.unlink(path)
+            for folder in created:
+                with contextlib.suppress(OSError):  # not empty: it holds what the run wrote
+                    os.rmdir(folder)
+            raise

@@ -9,16 +9,23 @@ import time
 import jax
 
 from axgen.runtime import checkpoints
-from axgen.runtime.dataset import Batches, DatasetError, PackedSplit, check_vocabulary, prefetched
-from axgen.runtime.faults import NonFiniteGuard, StopSignals, lock_run_dir
+from axgen.runtime.dataset import (
+    Batches,
+    DatasetError,
+    PackedSplit,
+    check_same_tokenizer,
+    check_vocabulary,
+    prefetched,
+)
+from axgen.runtime.faults import NonFiniteGuard, RunDirError, StopSignals, lock_run_dir, make_run_dir
 from axgen.runtime.metrics import MetricsLog, Progress
 from axgen.runtime.program import IncompatibleProgram, Program
 
 
 def main(module, argv=None) -> int:
     """Trains the program `module` defines on an `axgen data` directory; the exit code: 0 done or stopped by a
-    signal with a checkpoint, 2 bad input (a flag, a dataset, a program this runtime cannot run) refused before
-    jax starts, 1 an error during the run."""
+    signal with a checkpoint, 2 bad input (a flag, a dataset, a run dir, a program this runtime cannot run)
+    refused before jax starts, 1 an error during the run."""
     began = time.perf_counter()
     try:
         program = Program.from_module(module)
@@ -28,25 +35,27 @@ def main(module, argv=None) -> int:
     args = parse_args(program, argv, description=(module.__doc__ or "").strip().splitlines()[0])
     try:
         train_data, eval_data, eval_batches = open_data(program, args)
-    except DatasetError as refused:  # a dataset refused before jax starts is bad input, as a bad flag is
+        created = make_run_dir(args.run_dir)
+    except (DatasetError, RunDirError) as refused:  # refused before jax starts: bad input, as a bad flag is
         print(f"error: {refused}", file=sys.stderr)
         return 2
     try:
-        return train(program, args, train_data, eval_data, eval_batches, began)
+        return train(program, args, train_data, eval_data, eval_batches, began, created)
     except DatasetError as err:  # a batch that the manifest did not announce
         print(f"error: {err}", file=sys.stderr)
         return 1
 
 
-def train(program: Program, args, train_data, eval_data, eval_batches, began) -> int:
+def train(program: Program, args, train_data, eval_data, eval_batches, began, created) -> int:
+    """The run; `created` are the folders main made for RUN_DIR, which a run that fails removes when empty."""
     config = program.config
     configure_jax(program, args)
     check_device_count(program)
     mesh = program.make_mesh()
-    os.makedirs(args.run_dir, exist_ok=True)
     directory = os.path.abspath(os.path.join(args.run_dir, "checkpoints"))
+    created = ([] if os.path.lexists(directory) else [directory]) + created
     with (
-        lock_run_dir(args.run_dir),
+        lock_run_dir(args.run_dir, created),
         jax.set_mesh(mesh),
         checkpoints.manager(directory, config["checkpoint_every"]) as manager,
         MetricsLog(args.run_dir) as log,
@@ -205,6 +214,8 @@ def open_data(program: Program, args):
         return batches, None, 0
     eval_dir = args.eval_data or args.data
     check_vocabulary(eval_dir, vocab_size, config["spec"])
+    if args.eval_data:
+        check_same_tokenizer(args.data, args.eval_data)
     split = PackedSplit(eval_dir, "eval", config["seq_len"])
     if not len(split.shards):
         raise DatasetError(

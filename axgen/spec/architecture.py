@@ -29,14 +29,20 @@ class LayerNorm(SpecNode):
 
 @dataclass(frozen=True, kw_only=True)
 class Attention(SpecNode):
-    """Causal multi-head attention; `num_kv_heads < num_heads` is grouped-query attention."""
+    """Causal multi-head attention; `num_kv_heads < num_heads` is grouped-query attention. `scale` multiplies the
+    scores q.k before the softmax; None is head_dim**-0.5. Gemma states its own: query_pre_attn_scalar**-0.5.
+    """
 
+    HF_KEYS = {"scale": "query_pre_attn_scalar (scale = query_pre_attn_scalar**-0.5)"}
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    scale: float | None = None
 
     def validate(self) -> None:
         self.require_positive("num_heads", "num_kv_heads", "head_dim")
+        if self.scale is not None:
+            self.require_positive("scale")
         if self.num_heads % self.num_kv_heads:
             self.fail("num_kv_heads", f"does not divide num_heads={self.num_heads}")
 

@@ -12,6 +12,7 @@ from axgen.spec.targets import MeshRule
 from axgen.spec.training import Train
 from axgen.spec.validation import SpecError, SpecNode
 
+CHECKPOINT_DTYPES = (None, "bfloat16", "float16", "float32")
 _NAME = re.compile(r"[a-z0-9][a-z0-9._-]*")
 
 
@@ -26,11 +27,16 @@ class Model(SpecNode):
     targets: tuple[str, ...] = ()
     mesh_rules: tuple[MeshRule, ...] = ()  # tried before the backend's rules
     tie_embeddings: bool = False
+    # The dtype of the published checkpoint the spec was imported from (its config's torch_dtype): `axgen
+    # export-hf` writes the weights back in it unless told otherwise. None: bfloat16.
+    checkpoint_dtype: str | None = None
 
     def validate(self) -> None:
         if not _NAME.fullmatch(self.name):  # `$` of re.match would let a trailing newline through
             self.fail("name", "must be lower-case letters, digits, '.', '_' or '-'")
         self.require_positive("vocab_size", "d_model")
+        if self.checkpoint_dtype not in CHECKPOINT_DTYPES:
+            self.fail("checkpoint_dtype", f"is not one of {', '.join(map(repr, CHECKPOINT_DTYPES))}")
         if not self.targets:
             self.fail("targets", "must name at least one target, e.g. ['cpu-8']")
         seen: dict[str, Feature] = {}

@@ -1,0 +1,216 @@
+"""The Hugging Face families a spec can be read from and written as: which family computes what a spec does, and
+how that family's published checkpoints store its routed experts.
+
+The Hub holds MoE checkpoints with one tensor per expert and projection (Mixtral:
+`model.layers.L.block_sparse_moe.experts.E.w1.weight`; Qwen2-MoE: `model.layers.L.mlp.experts.E.gate_proj.weight`).
+transformers 5 fuses them only when it loads (its `conversion_mapping.py`), into the names the programs' params
+carry: `model.layers.L.mlp.experts.gate_up_proj` [experts, 2 * hidden, embed], each expert's gate rows over its up
+rows, and `model.layers.L.mlp.experts.down_proj`; its `save_pretrained` writes the Hub's layout back. axgen reads
+either layout and writes the Hub's unless asked for the fused one.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from axgen.interop import CheckpointError
+from axgen.spec import Model
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+}
+# The features each family's HF model computes; remat and quantize shape training only, not the weights' meaning.
+TRAINING_ONLY = {"remat", "quantize"}
+FAMILY_FEATURES = {
+    "llama": {"rope"},
+    "mistral": {"rope", "sliding_window"},
+    "mixtral": {"rope", "moe"},
+    "qwen2": {"rope", "qkv_bias"},
+    "qwen3": {"rope", "qk_norm"},
+    "qwen2_moe": {"rope", "qkv_bias", "moe"},
+    "gemma2": {"rope", "gemma_block", "sliding_window", "softcap"},
+}
+# The families whose HF attention takes a softmax scale other than head_dim**-0.5 (`query_pre_attn_scalar`).
+SCALED_ATTENTION = {"gemma2"}
+
+
+def family(spec: Model) -> str:
+    """The HF family whose model computes what the spec does."""
+    features = {f.pass_name for f in spec.features} - TRAINING_ONLY
+    moe = spec.feature("moe")
+    if "gemma_block" in features:
+        name = "gemma2"
+    elif moe is not None:
+        name = _moe_family(spec)
+    elif "qk_norm" in features:
+        name = "qwen3"
+    elif "qkv_bias" in features:
+        name = "qwen2"
+    else:
+        name = "mistral" if "sliding_window" in features else "llama"
+    extra = sorted(features - FAMILY_FEATURES[name])
+    if extra:
+        raise CheckpointError(
+            f"{spec.origin}: {name} models in HF have no {extra[0]!r}; export-hf cannot write it"
+        )
+    attention = spec.decoder.attention
+    if attention.scale is not None and name not in SCALED_ATTENTION:
+        raise CheckpointError(
+            f"{attention.origin}: Attention.scale={attention.scale!r}: {name} models in HF scale attention by "
+            "head_dim**-0.5 only"
+        )
+    return name
+
+
+def _moe_family(spec: Model) -> str:
+    return "qwen2_moe" if spec.feature("moe").shared_hidden_dim else "mixtral"
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How a family's published checkpoints name the routed experts: `model.layers.L.<module>.gate.weight` is the
+    router and `model.layers.L.<module>.experts.E.<gate|up|down>.weight` one expert's [out, in] projection."""
+
+    module: str
+    gate: str
+    up: str
+    down: str
+
+    def router(self, layer: str) -> str:
+        return f"{layer}.{self.module}.gate.weight"
+
+    def expert(self, layer: str, expert: int, projection: str) -> str:
+        return f"{layer}.{self.module}.experts.{expert}.{projection}.weight"
+
+
+EXPERT_LAYOUTS = {
+    "mixtral": ExpertLayout("block_sparse_moe", gate="w1", up="w3", down="w2"),
+    "qwen2_moe": ExpertLayout("mlp", gate="gate_proj", up="up_proj", down="down_proj"),
+}
+_FUSED = re.compile(r"(model\.layers\.\d+)\.mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)")
+
+
+def expert_layout(spec: Model) -> ExpertLayout | None:
+    """The Hub's expert layout of the spec's family; None for a model without routed experts."""
+    return EXPERT_LAYOUTS[_moe_family(spec)] if spec.feature("moe") else None
+
+
+def hub_tensors(
+    tensors: Iterator[tuple[str, np.ndarray]], layout: ExpertLayout
+) -> Iterator[tuple[str, np.ndarray]]:
+    """The fused tensors as the Hub holds them: each expert's projections apart, the router renamed."""
+    for name, tensor in tensors:
+        match = _FUSED.fullmatch(name)
+        if match is None:
+            yield name, tensor
+            continue
+        layer, what = match.groups()
+        if what == "gate.weight":
+            yield layout.router(layer), tensor
+        elif what == "experts.down_proj":
+            yield from ((layout.expert(layer, e, layout.down), part) for e, part in enumerate(tensor))
+        else:
+            hidden = tensor.shape[1] // 2
+            for e, part in enumerate(tensor):
+                yield layout.expert(layer, e, layout.gate), part[:hidden]
+                yield layout.expert(layer, e, layout.up), part[hidden:]
+
+
+class FusedExperts(Mapping):
+    """A Hub-layout checkpoint's tensors under the fused names the params carry; every other tensor as it is.
+
+    Each fused tensor is stacked from its experts when asked for, so the host holds one layer's experts at a time.
+    A missing expert, an expert index beyond `num_experts` and an expert tensor of another shape than its fused
+    tensor's part (`shapes`: the fused HF shape of each name) are named as the Hub names them."""
+
+    def __init__(
+        self, checkpoint: Mapping, layout: ExpertLayout, num_experts: int, shapes: dict, source: str
+    ):
+        self.checkpoint, self.layout, self.num_experts, self.source = checkpoint, layout, num_experts, source
+        self.shapes = shapes
+        pattern = re.compile(
+            rf"(model\.layers\.\d+)\.{re.escape(layout.module)}\.(?:experts\.(\d+)\.(\w+)\.weight|gate\.weight)"
+        )
+        self.names: dict[str, str] = {}  # fused or unchanged name -> the checkpoint's name
+        for name in checkpoint:
+            match = pattern.fullmatch(name)
+            if match is None:
+                self.names[name] = name
+                continue
+            layer, expert, projection = match.groups()
+            if expert is None:
+                self.names[f"{layer}.mlp.gate.weight"] = name
+            elif projection not in (layout.gate, layout.up, layout.down):
+                self.names[name] = name  # not an expert projection: the name check reports it
+            elif int(expert) >= num_experts:
+                raise CheckpointError(
+                    f"{source}: holds {name!r}, but the spec has {num_experts} experts (0 to {num_experts - 1})"
+                )
+            else:
+                fused = "gate_up_proj" if projection in (layout.gate, layout.up) else "down_proj"
+                self.names[f"{layer}.mlp.experts.{fused}"] = layer
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        stored = self.names[name]
+        match = _FUSED.fullmatch(name)
+        if match is None or match.group(2) == "gate.weight":
+            return self.checkpoint[stored]
+        layer, what = match.groups()
+        projections = (
+            (self.layout.down,) if what == "experts.down_proj" else (self.layout.gate, self.layout.up)
+        )
+        shape = self.shapes.get(name)
+        stacked = None
+        for e in range(self.num_experts):
+            parts = [self._part(layer, e, projection, shape, len(projections)) for projection in projections]
+            expert = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            if stacked is None:
+                stacked = np.empty((self.num_experts, *expert.shape), expert.dtype)
+            stacked[e] = expert
+        return stacked
+
+    def _part(self, layer: str, expert: int, projection: str, fused_shape, count: int) -> np.ndarray:
+        name = self.layout.expert(layer, expert, projection)
+        if name not in self.checkpoint:
+            raise CheckpointError(f"{self.source}: has no tensor {name!r}, which the spec needs")
+        tensor = self.checkpoint[name]
+        if fused_shape is not None:
+            expected = (fused_shape[1] // count, *fused_shape[2:])
+            if tuple(tensor.shape) != expected:
+                raise CheckpointError(
+                    f"{self.source}: tensor {name!r} is {list(tensor.shape)}; the spec needs {list(expected)}"
+                )
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def fused_view(checkpoint: Mapping, spec: Model, shapes: dict, source: str) -> Mapping:
+    """The checkpoint under the fused names, whichever expert layout it holds; a mix of both is an error."""
+    layout = expert_layout(spec)
+    if layout is None:
+        return checkpoint
+    per_expert_name = re.compile(rf"model\.layers\.\d+\.{re.escape(layout.module)}\.experts\.\d+\.")
+    fused = min((name for name in checkpoint if _FUSED.fullmatch(name) and ".experts." in name), default=None)
+    per_expert = min((name for name in checkpoint if per_expert_name.match(name)), default=None)
+    if fused and per_expert:
+        raise CheckpointError(
+            f"{source}: holds both expert layouts ({fused!r}, fused, and {per_expert!r}, one per expert)"
+        )
+    if per_expert is None:
+        return checkpoint
+    return FusedExperts(checkpoint, layout, spec.feature("moe").num_experts, shapes, source)
