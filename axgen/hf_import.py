@@ -37,6 +37,7 @@ IRRELEVANT = frozenset(
         "eos_token_id",
         "id2label",
         "initializer_range",
+        "is_llama_config",  # nanotron's mark on the configs it exports (SmolLM2)
         "is_encoder_decoder",
         "label2id",
         "output_attentions",
@@ -66,6 +67,7 @@ _LLAMA = {
     "mlp_bias": False,
     "tie_word_embeddings": False,
     "max_position_embeddings": 2048,
+    "rope_interleaved": False,
 }
 DEFAULTS: dict[str, dict] = {
     "llama": _LLAMA,
@@ -166,7 +168,15 @@ KEY_KINDS = {
     **dict.fromkeys(("attn_logit_softcapping", "final_logit_softcapping"), "positive number or null"),
     **dict.fromkeys(("router_aux_loss_coef", "attention_dropout", "router_jitter_noise"), "number >= 0"),
     **dict.fromkeys(
-        ("tie_word_embeddings", "norm_topk_prob", "use_sliding_window", "qkv_bias", "use_mrope"), "boolean"
+        (
+            "tie_word_embeddings",
+            "norm_topk_prob",
+            "use_sliding_window",
+            "qkv_bias",
+            "use_mrope",
+            "rope_interleaved",
+        ),
+        "boolean",
     ),
     **dict.fromkeys(("attention_bias", "mlp_bias", "use_bidirectional_attention"), "boolean or null"),
 }
@@ -380,6 +390,12 @@ def _activation(c: Config, key: str, allowed: tuple[str, ...]) -> None:
 def llama(c: Config) -> SpecSource:
     _activation(c, "hidden_act", ("silu",))
     _no_attention_bias(c)
+    # nanotron's exports (SmolLM2) say how their RoPE paired channels; HF's Llama rotates halves whatever it says.
+    c.expect(
+        "rope_interleaved",
+        (False,),
+        "pairs RoPE's channels as neighbours; HF's Llama (and axgen) rotate halves",
+    )
     if c.model_type == "llama":
         _layer_types(c, lambda layer: "full_attention")
     source = _decoder(c)

@@ -324,7 +324,7 @@ def test_a_numeric_flag_that_makes_no_sense_is_refused_in_one_line(tmp_path, cap
 
 
 def test_import_hf_of_a_one_step_run_writes_a_spec_that_loads(tmp_path, capsys):
-    config = ROOT / "tests" / "fixtures" / "hf_configs" / "llama2_7b.json"
+    config = ROOT / "tests" / "fixtures" / "hf_configs" / "published" / "llama-2-7b-hf.json"
     out = tmp_path / "one_step.py"
     code, err = run(capsys, "import-hf", config, "--out", out, "--steps", 1, "--seq-len", 64)
     assert (code, err) == (0, "")

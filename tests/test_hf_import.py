@@ -16,20 +16,21 @@ from axgen.loader import load_spec
 from axgen.passes import run_passes
 from axgen.spec import Model, SpecError
 
-CONFIGS = ROOT / "tests/fixtures/hf_configs"
+CONFIGS = ROOT / "tests/fixtures/hf_configs/published"  # sources.json says where each was found
 
-# Each model's parameter count as its Hugging Face model card states it (safetensors metadata), not as axgen
-# computes it; and the bundled spec the import must agree with, where there is one.
+# Published configs of the bundled specs' models, each with its parameter count as its Hugging Face model card
+# states it (safetensors metadata), not as axgen computes it, and the bundled spec the import must agree with.
 PUBLISHED = {
-    "llama2_7b": (6_738_415_616, "llama2_7b"),
-    "llama3_8b": (8_030_261_248, "llama3_8b"),
-    "llama3_1_8b": (8_030_261_248, None),
-    "mistral_7b": (7_241_732_096, "mistral_7b"),
-    "mixtral_8x7b": (46_702_792_704, "mixtral_8x7b"),
-    "qwen2_7b": (7_615_616_512, "qwen2_7b"),
-    "qwen3_8b": (8_190_735_360, "qwen3_8b"),
-    "qwen2_moe_a2_7b": (14_315_784_192, "qwen2_moe_a2_7b"),
-    "gemma2_9b": (9_241_705_984, "gemma2_9b"),
+    "llama-2-7b-hf": (6_738_415_616, "llama2_7b"),
+    "meta-llama-3-8b-instruct": (8_030_261_248, "llama3_8b"),
+    "llama-3.1-8b": (8_030_261_248, None),
+    "mistral-7b-v0.1": (7_241_732_096, "mistral_7b"),
+    "mixtral-8x7b-v0.1": (46_702_792_704, "mixtral_8x7b"),
+    "qwen2-7b-instruct": (7_615_616_512, "qwen2_7b"),
+    "qwen3-8b": (8_190_735_360, "qwen3_8b"),
+    "qwen1.5-moe-a2.7b": (14_315_784_192, "qwen2_moe_a2_7b"),
+    # The June 2024 revision, whose query_pre_attn_scalar (224) is not head_dim: the bundled spec scales by 256**-0.5.
+    "gemma-2-9b-it": (9_241_705_984, None),
 }
 
 
@@ -81,7 +82,7 @@ def as_transformers_5(config: dict) -> dict:
     return config
 
 
-@pytest.mark.parametrize("model", ["llama3_1_8b", "qwen2_7b"])
+@pytest.mark.parametrize("model", ["llama-3.1-8b", "qwen2-7b-instruct"])
 def test_transformers_5_keys_give_the_same_spec(model, tmp_path, capsys):
     config = json.loads((CONFIGS / f"{model}.json").read_text())
     (tmp_path / "v4.json").write_text(json.dumps(config))
@@ -120,7 +121,7 @@ BAD = [
 
 @pytest.mark.parametrize(("key", "value", "message"), BAD, ids=[f"{b[0]}={b[1]!r}" for b in BAD])
 def test_a_key_axgen_cannot_honour_stops_the_import_naming_it(key, value, message, tmp_path, capsys):
-    config = json.loads((CONFIGS / "llama2_7b.json").read_text()) | {key: value}
+    config = json.loads((CONFIGS / "llama-2-7b-hf.json").read_text()) | {key: value}
     (tmp_path / "config.json").write_text(json.dumps(config))
     code, output = import_spec(capsys, tmp_path, tmp_path / "specs/out.py")
     assert code == 2
@@ -139,7 +140,7 @@ def test_a_config_nested_too_deeply_is_named(tmp_path, capsys):
 
 
 def test_an_unknown_target_and_an_existing_out_are_refused(tmp_path, capsys):
-    config = CONFIGS / "llama2_7b.json"
+    config = CONFIGS / "llama-2-7b-hf.json"
     code = axgen(["import-hf", str(config), "--out", str(tmp_path / "x.py"), "--target", "foo-9"])
     assert code == 2 and "--target 'foo-9' is not a target axgen knows" in capsys.readouterr().err
     assert not (tmp_path / "x.py").exists()
@@ -163,7 +164,7 @@ def test_a_missing_or_broken_config_is_named(tmp_path, capsys):
 
 
 def test_gemma2_layer_types_must_alternate(tmp_path, capsys):
-    config = json.loads((CONFIGS / "gemma2_9b.json").read_text())
+    config = json.loads((CONFIGS / "gemma-2-9b-it.json").read_text())
     config["layer_types"] = ["full_attention"] * config["num_hidden_layers"]
     (tmp_path / "config.json").write_text(json.dumps(config))
     code, output = import_spec(capsys, tmp_path, tmp_path / "g.py")

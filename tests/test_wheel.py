@@ -28,7 +28,7 @@ import axgen
 # into the checkout, and a file left there (a template since deleted) would go into every later wheel.
 LEFT_BEHIND = ".git .venv build dist *.egg-info __pycache__ .pytest_cache .hypothesis .whl generated"
 NOT_COPIED = shutil.ignore_patterns(*LEFT_BEHIND.split())
-HF_CONFIG = ROOT / "tests" / "fixtures" / "hf_configs" / "llama2_7b.json"
+HF_CONFIG = ROOT / "tests" / "fixtures" / "hf_configs" / "published" / "llama-2-7b-hf.json"
 DEV_SITE = dict.fromkeys(sysconfig.get_paths()[key] for key in ("purelib", "platlib"))  # ordered, no repeats
 DEV_PREFIX = Path(sys.prefix).resolve()
 # pip's words when no index or link it is configured with offers setuptools for an isolated build.

@@ -1,0 +1,89 @@
+"""The published configs of every family axgen claims (tests/fixtures/hf_configs/published/, each with where it was
+found and its sha256 in sources.json) import with the parameter count transformers computes for them, or are
+refused in one line naming the key that stops them, as the README's support table says."""
+
+import hashlib
+import json
+import re
+
+import pytest
+from tests.conftest import ROOT
+
+from axgen.build import lowered
+from axgen.cli import main as axgen
+from axgen.loader import load_spec
+
+CORPUS = ROOT / "tests/fixtures/hf_configs/published"
+SOURCES = json.loads((CORPUS / "sources.json").read_text())
+
+# transformers 5.23.0's count for each config, by tests/fixtures/count_hf_params.py: the model built from the
+# config on torch's meta device, numel() summed over model.parameters(), a tied embedding once.
+TRANSFORMERS_PARAMS = {
+    "gemma-2-9b-it": 9_241_705_984,
+    "llama-2-13b-hf": 13_015_864_320,
+    "llama-2-70b-hf": 68_976_648_192,
+    "llama-2-7b-hf": 6_738_415_616,
+    "llama-3.1-405b": 405_853_388_800,
+    "llama-3.1-70b": 70_553_706_496,
+    "llama-3.1-70b-instruct": 70_553_706_496,
+    "llama-3.1-8b": 8_030_261_248,
+    "llama-3.1-8b-instruct": 8_030_261_248,
+    "llama-3.2-1b-instruct": 1_235_814_400,
+    "llama-3.2-3b-instruct": 3_212_749_824,
+    "meta-llama-3-8b-instruct": 8_030_261_248,
+    "mistral-7b-v0.1": 7_241_732_096,
+    "mistral-nemo-instruct-2407": 12_247_782_400,
+    "mixtral-8x22b-v0.1": 140_620_634_112,
+    "mixtral-8x7b-v0.1": 46_702_792_704,
+    "qwen1.5-moe-a2.7b": 14_315_784_192,
+    "qwen2-0.5b": 494_032_768,
+    "qwen2-1.5b-instruct": 1_543_714_304,
+    "qwen2-72b-instruct": 72_706_203_648,
+    "qwen2-7b-instruct": 7_615_616_512,
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen2.5-1.5b": 1_543_714_304,
+    "qwen2.5-1.5b-instruct": 1_543_714_304,
+    "qwen2.5-32b": 32_763_876_352,
+    "qwen2.5-32b-instruct": 32_763_876_352,
+    "qwen2.5-3b-instruct": 3_085_938_688,
+    "qwen2.5-72b": 72_706_203_648,
+    "qwen2.5-7b": 7_615_616_512,
+    "qwen2.5-7b-instruct": 7_615_616_512,
+    "qwen3-0.6b": 596_049_920,
+    "qwen3-1.7b": 1_720_574_976,
+    "qwen3-14b": 14_768_307_200,
+    "qwen3-32b": 32_762_123_264,
+    "qwen3-4b": 4_022_468_096,
+    "qwen3-8b": 8_190_735_360,
+    "smollm2-135m": 134_515_008,
+    "tinyllama-1.1b-chat-v1.0": 1_100_048_384,
+}
+# The published configs axgen refuses, with the start of the line that says why (transformers counts
+# Qwen3-30B-A3B's 30_532_122_624).
+REFUSED = {"qwen3-30b-a3b": "model_type='qwen3_moe' is not one axgen imports"}
+
+
+def test_the_corpus_is_what_sources_json_says():
+    assert {p.stem for p in CORPUS.glob("*.json")} - {"sources"} == set(SOURCES)
+    assert set(SOURCES) == set(TRANSFORMERS_PARAMS) | set(REFUSED)
+    for slug, source in SOURCES.items():
+        assert hashlib.sha256((CORPUS / f"{slug}.json").read_bytes()).hexdigest() == source["sha256"], slug
+        assert "/" in source["hub"] and "/" in source["repository"] and source["path"], slug
+        assert re.fullmatch("[0-9a-f]{40}", source["commit"]), slug
+
+
+@pytest.mark.parametrize("slug", sorted(TRANSFORMERS_PARAMS))
+def test_each_published_config_imports_with_the_parameter_count_transformers_gives(slug, tmp_path, capsys):
+    code = axgen(["import-hf", str(CORPUS / f"{slug}.json"), "--out", str(tmp_path / "spec.py")])
+    output = capsys.readouterr()
+    assert code == 0, output.err
+    assert f", {TRANSFORMERS_PARAMS[slug]:,} parameters" in output.out
+    lowered(load_spec(tmp_path / "spec.py"), "cpu-8")  # and builds for its target as written
+
+
+@pytest.mark.parametrize("slug", sorted(REFUSED))
+def test_a_published_config_axgen_cannot_honour_is_refused_in_one_line(slug, tmp_path, capsys):
+    code = axgen(["import-hf", str(CORPUS / f"{slug}.json"), "--out", str(tmp_path / "spec.py")])
+    error = capsys.readouterr().err
+    assert code == 2 and error.startswith(f"axgen: error: {CORPUS / slug}.json: {REFUSED[slug]}"), error
+    assert error.count("\n") == 1 and not (tmp_path / "spec.py").exists()
