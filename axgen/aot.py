@@ -69,6 +69,9 @@ class Report:
     collectives: dict[str, int] = dataclasses.field(default_factory=dict)
     kernels: dict[str, int] = dataclasses.field(default_factory=dict)  # custom calls: Pallas, cuDNN, ...
     out_of_memory: str | None = None  # the compiler's own message when it refused
+    # The eval step's (--eval-every) at the same batch, which the program checks before training as it does the
+    # train step's; None where the train step did not compile.
+    eval_peak_bytes: int | None = None
 
     def text(self) -> str:
         mesh = " ".join(f"{axis}={size}" for axis, size in self.mesh.items())
@@ -89,6 +92,10 @@ class Report:
             f"  per device: arguments {_gib(self.argument_bytes)}, outputs {_gib(self.output_bytes)} "
             f"(aliased {_gib(self.alias_bytes)}), temporaries {_gib(self.temp_bytes)}; peak {_gib(self.peak_bytes)} "
             f"of {hbm}: {'fits' if self.fits else 'DOES NOT FIT'}"
+        )
+        lines.append(
+            f"  evaluation (--eval-every), same batch in the same microbatches: peak {_gib(self.eval_peak_bytes)}: "
+            f"{'fits' if self.eval_peak_bytes <= self.usable_bytes else 'DOES NOT FIT'}"
         )
         if self.host_bytes:
             lines.append(f"  offloaded to host memory: {_gib(self.host_bytes)}")
@@ -188,7 +195,7 @@ def _compile_here(program_path: str, spec_path: str, target: str, rule: str) -> 
         usable_bytes=plan.usable_bytes,
     )
     # Shardings first, outside the mesh: optax builds them from a small eager init on the host.
-    step = program.jit_train_step(mesh, batch)
+    step, eval_step = program.jit_train_step(mesh, batch), program.jit_eval_step(mesh, batch)
     state = program.abstract_state(mesh)
     # Token windows and their segment ids: packed documents, as the program trains on them.
     tokens = program.batch_shape(mesh, batch)
@@ -207,15 +214,18 @@ def _compile_here(program_path: str, spec_path: str, target: str, rule: str) -> 
                 peak_bytes=None,
                 out_of_memory=message.strip(),
             )
-    seconds = time.perf_counter() - began
+        seconds = time.perf_counter() - began
+        evaluation = eval_step.lower(state["params"], tokens, tokens).compile()
     hlo = compiled.as_text()
     memory = compiled.memory_analysis()
     peak = step_peak_bytes(memory)  # the formula the program's own check before it allocates uses
+    eval_peak = step_peak_bytes(evaluation.memory_analysis())
     return Report(
         **common,
         compile_seconds=seconds,
-        fits=peak <= plan.usable_bytes,
+        fits=peak <= plan.usable_bytes and eval_peak <= plan.usable_bytes,
         peak_bytes=peak,
+        eval_peak_bytes=eval_peak,
         argument_bytes=memory.argument_size_in_bytes,
         output_bytes=memory.output_size_in_bytes,
         alias_bytes=memory.alias_size_in_bytes,
@@ -305,19 +315,23 @@ def markdown(reports: list[Report], failures: list[str], command: str) -> str:
         "without them: TPU through libtpu's topology, H100 through the CUDA plugin, Trainium and CPU on fake CPU",
         "devices with the target's mesh (their memory figures are XLA's CPU layout, an estimate). Peak is per device:",
         "arguments, outputs not aliased to them, and temporaries; bytes offloaded to host memory are not counted.",
+        "Eval peak is the eval step's (`--eval-every`) at the same batch, in the same microbatches; a row fits when",
+        "both peaks do.",
         "Usable is what the program's allocator takes: on H100, the 95% of HBM the emitted program sets",
         "(XLA_PYTHON_CLIENT_MEM_FRACTION; jax's own default is 75%); elsewhere, all of it.",
         "A CPU program of a 7B+ model is there to be read and run with a small `--batch`; it cannot fit a CPU device.",
         "",
-        "| spec | target | compiled for | mesh | microbatches | peak / usable per device | fits | compile |",
-        "|---|---|---|---|---|---|---|---|",
+        "| spec | target | compiled for | mesh | microbatches | peak / usable per device | eval peak | fits | compile |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in reports:
         mesh = " ".join(f"{axis}={size}" for axis, size in r.mesh.items() if size > 1) or "1 device"
         peak = _gib(r.peak_bytes) if r.peak_bytes is not None else "over (compiler refused)"
+        eval_peak = _gib(r.eval_peak_bytes) if r.eval_peak_bytes is not None else "-"
         lines.append(
             f"| {r.spec} | {r.target} | {r.compiled_for} | {mesh} | {r.grad_accum_steps} x {r.microbatch} "
-            f"| {peak} / {r.usable_bytes / GIB:.1f} GiB | {'yes' if r.fits else '**no**'} | {r.compile_seconds:.0f}s |"
+            f"| {peak} / {r.usable_bytes / GIB:.1f} GiB | {eval_peak} | {'yes' if r.fits else '**no**'} "
+            f"| {r.compile_seconds:.0f}s |"
         )
     if failures:
         lines += ["", "Compiles that failed for another reason:", ""] + [f"- {f}" for f in failures]

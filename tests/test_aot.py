@@ -143,7 +143,12 @@ def test_report_table_says_what_fits():
         usable_bytes=16 * 1024**3,
     )
     fits = Report(
-        **common, target="tpu-v5e-8", mesh={"data": 1, "fsdp": 8}, fits=True, peak_bytes=9 * 1024**3
+        **common,
+        target="tpu-v5e-8",
+        mesh={"data": 1, "fsdp": 8},
+        fits=True,
+        peak_bytes=9 * 1024**3,
+        eval_peak_bytes=3 * 1024**3,
     )
     refused = Report(
         **common,
@@ -154,9 +159,12 @@ def test_report_table_says_what_fits():
         out_of_memory="RESOURCE_EXHAUSTED: ... (41.98G) exceeds available HBM (15.75G)",
     )
     table = markdown([fits, refused], ["specs/x.py on cpu-8: the compile failed: ValueError: boom"], "cmd")
-    assert "| m | tpu-v5e-8 | 8 x TPU v5e | fsdp=8 | 4 x 1 | 9.00 GiB / 16.0 GiB | yes | 3s |" in table
     assert (
-        "| m | tpu-v5e-1 | 8 x TPU v5e | 1 device | 4 x 1 | over (compiler refused) / 16.0 GiB | **no** | 3s |"
+        "| m | tpu-v5e-8 | 8 x TPU v5e | fsdp=8 | 4 x 1 | 9.00 GiB / 16.0 GiB | 3.00 GiB | yes | 3s |"
+        in table
+    )
+    assert (
+        "| m | tpu-v5e-1 | 8 x TPU v5e | 1 device | 4 x 1 | over (compiler refused) / 16.0 GiB | - | **no** | 3s |"
         in table
     )
     assert "- specs/x.py on cpu-8: the compile failed: ValueError: boom" in table
@@ -181,8 +189,13 @@ def test_a_peak_over_the_usable_share_does_not_fit_though_under_the_hbm():
         alias_bytes=0,
         temp_bytes=int(0.97 * hbm),
         flops_per_device=1.0,
+        eval_peak_bytes=int(0.5 * hbm),
     )
     assert "peak 76.74 GiB of 75.2 GiB usable (95% of 79.1 GiB HBM): DOES NOT FIT" in report.text()
+    assert (
+        "evaluation (--eval-every), same batch in the same microbatches: peak 39.55 GiB: fits"
+        in report.text()
+    )
 
 
 @pytest.mark.parametrize("args", [["--target", "gpu-a100-8"], []])

@@ -160,6 +160,13 @@ class Program:
             self.eval_step, in_shardings=(params, batch, batch), out_shardings=NamedSharding(mesh, P())
         )
 
+    def compile_eval_step(self, mesh, global_batch):
+        """The eval step compiled ahead of time for this batch, and its per-device peak bytes."""
+        tokens = self.batch_shape(mesh, global_batch)
+        params = self.abstract_state(mesh)["params"]
+        compiled = self.jit_eval_step(mesh, global_batch).lower(params, tokens, tokens).compile()
+        return compiled, memory.step_peak_bytes(compiled.memory_analysis())
+
     def restore_params(self, path, mesh):
         """Params from an `axgen convert-hf` checkpoint, restored straight into this mesh's shardings."""
         abstract = jax.tree.map(

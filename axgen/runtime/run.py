@@ -68,11 +68,11 @@ def train(program: Program, args, train_data, eval_data, eval_batches, began, cr
             )
             return 2  # out of the with first: orbax's threads stop before the interpreter does
         started = time.perf_counter()
-        step_fn = compile_checked(program, mesh, args.batch)
+        step_fn, eval_fn = compile_checked(program, mesh, args.batch, evaluating=eval_data is not None)
         compiled = time.perf_counter()
         state, origin = restore_or_init(program, manager, mesh, args)
         start, restored = int(state["step"]), time.perf_counter()
-        eval_fn, sharding = program.jit_eval_step(mesh, args.batch), program.batch_sharding(mesh, args.batch)
+        sharding = program.batch_sharding(mesh, args.batch)
         print(
             f"{config['model']} on {jax.device_count()} devices, mesh {program.mesh_shape}: {origin} (start-up"
             f" {started - began:.1f}s, compile {compiled - started:.1f}s, restore {restored - compiled:.1f}s)",
@@ -163,18 +163,24 @@ def device_memory_limit() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // jax.local_device_count()
 
 
-def compile_checked(program: Program, mesh, global_batch):
-    """The train step compiled ahead of time for this batch; a step XLA says needs more memory than a device here
-    has is refused before anything is allocated, instead of failing (or swapping) later."""
-    compiled, needed = program.compile_train_step(mesh, global_batch)
+def compile_checked(program: Program, mesh, global_batch, evaluating: bool):
+    """The train step and, when evaluating, the eval step, compiled ahead of time for this batch; a step XLA says
+    needs more memory than a device here has is refused before anything is allocated, instead of failing (or
+    swapping) later, at the first evaluation say."""
     limit = device_memory_limit()
-    if needed > limit:
-        raise SystemExit(
-            f"error: a training step of {program.config['model']} at --batch {global_batch} needs"
-            f" {needed / 2**30:.1f} GiB per device (XLA's estimate) and a {jax.devices()[0].platform} device here"
-            f" has {limit / 2**30:.1f} GiB; use more devices or a smaller model or batch"
-        )
-    return compiled
+    steps = [("a training", program.compile_train_step)]
+    steps += [("an evaluation", program.compile_eval_step)] if evaluating else []
+    compiled = []
+    for what, compile_step in steps:
+        step, needed = compile_step(mesh, global_batch)
+        if needed > limit:
+            raise SystemExit(
+                f"error: {what} step of {program.config['model']} at --batch {global_batch} needs"
+                f" {needed / 2**30:.1f} GiB per device (XLA's estimate) and a {jax.devices()[0].platform} device"
+                f" here has {limit / 2**30:.1f} GiB; use more devices or a smaller model or batch"
+            )
+        compiled.append(step)
+    return compiled[0], compiled[1] if evaluating else None
 
 
 def restore_or_init(program: Program, manager, mesh, args):

@@ -16,7 +16,7 @@ def gradients(loss_fn, params, batch, accum_steps: int, specs, rules: dict):
     and no tokens move."""
     if accum_steps == 1:
         return jax.value_and_grad(loss_fn, has_aux=True)(params, *batch)
-    microbatches = jax.tree.map(lambda x: x.reshape(-1, accum_steps, x.shape[1]).swapaxes(0, 1), batch)
+    microbatches = _microbatches(batch, accum_steps)
     # Each microbatch counts 1/accum_steps, so the sums are means over the batch, gradients included (means of
     # the microbatches' means: exact when they count the same number of targets).
     grad_fn = jax.value_and_grad(
@@ -42,6 +42,27 @@ def gradients(loss_fn, params, batch, accum_steps: int, specs, rules: dict):
     zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     totals, _ = jax.lax.scan(add_microbatch, (zeros[0], as_params(zeros[1])), microbatches)
     return totals
+
+
+def summed_over_microbatches(sums_fn, params, batch, accum_steps: int):
+    """`sums_fn(params, *batch)`, a tree of sums, over the whole batch in `accum_steps` microbatches that lax.scan
+    runs one after another, split as `gradients` splits them: an evaluation holds one microbatch's activations and
+    logits at a time, as the train step does, and fits wherever it fits."""
+    if accum_steps == 1:
+        return sums_fn(params, *batch)
+    microbatches = _microbatches(batch, accum_steps)
+
+    def add_microbatch(totals, microbatch):
+        return jax.tree.map(jnp.add, totals, sums_fn(params, *microbatch)), None
+
+    shapes = jax.eval_shape(sums_fn, params, *jax.tree.map(lambda x: x[0], microbatches))
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return jax.lax.scan(add_microbatch, zeros, microbatches)[0]
+
+
+def _microbatches(batch, accum_steps: int):
+    """[accum_steps, rows / accum_steps, ...] of each array: row i goes to microbatch i % accum_steps."""
+    return jax.tree.map(lambda x: x.reshape(-1, accum_steps, x.shape[1]).swapaxes(0, 1), batch)
 
 
 def apply_gradients(optimizer, learning_rate, state: dict, grads, loss, metrics: dict, specs):
