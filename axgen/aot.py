@@ -197,12 +197,12 @@ def _compile_here(program_path: str, spec_path: str, target: str, rule: str) -> 
     # Shardings first, outside the mesh: optax builds them from a small eager init on the host.
     step, eval_step = program.jit_train_step(mesh, batch), program.jit_eval_step(mesh, batch)
     state = program.abstract_state(mesh)
-    # Token windows and their segment ids: packed documents, as the program trains on them.
+    # Token windows, their segment ids and loss masks: packed documents, as the program trains on them.
     tokens = program.batch_shape(mesh, batch)
     with jax.set_mesh(mesh), _sm_count_of(plan):
         began = time.perf_counter()
         try:
-            compiled = step.lower(state, tokens, tokens).compile()
+            compiled = step.lower(state, tokens, tokens, tokens).compile()
         except Exception as err:  # the TPU compiler's own out-of-memory check; anything else is a failure
             if "RESOURCE_EXHAUSTED" not in str(err):
                 raise
@@ -215,7 +215,7 @@ def _compile_here(program_path: str, spec_path: str, target: str, rule: str) -> 
                 out_of_memory=message.strip(),
             )
         seconds = time.perf_counter() - began
-        evaluation = eval_step.lower(state["params"], tokens, tokens).compile()
+        evaluation = eval_step.lower(state["params"], tokens, tokens, tokens).compile()
     hlo = compiled.as_text()
     memory = compiled.memory_analysis()
     peak = step_peak_bytes(memory)  # the formula the program's own check before it allocates uses

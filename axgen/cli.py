@@ -20,7 +20,8 @@ from axgen.aot import AotError, compile_target, markdown
 from axgen.backends import FAMILIES, family_for, plan_for
 from axgen.build import build, default_output, lowered
 from axgen.corpus import write_corpus
-from axgen.data import build_dataset, summary
+from axgen.chat import load_chat_template
+from axgen.data import build_chat_dataset, build_dataset, summary
 from axgen.explain import explain, render
 from axgen.files import OutputError, check_output_dir, check_output_file, write_atomically
 from axgen.hf_export import export_dtype, export_hf
@@ -189,6 +190,30 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--bos", metavar="TOKEN", help="default: tokenizer_config.json's, else a well-known name")
     d.add_argument("--eos", metavar="TOKEN", help="default: tokenizer_config.json's, else a well-known name")
     d.add_argument("--force", action="store_true", help="replace an existing dataset at --out")
+    d.add_argument(
+        "--chat",
+        action="store_true",
+        help="records are conversations ({role, content} messages), rendered with the chat template; a loss"
+        " mask trains only the assistant's tokens",
+    )
+    d.add_argument(
+        "--sharegpt",
+        action="store_true",
+        help="conversations in ShareGPT's form ({from, value}); implies --chat",
+    )
+    d.add_argument(
+        "--chat-template",
+        metavar="T",
+        help="chatml (built in), a .jinja file, or a name among tokenizer_config.json's templates (default: the"
+        " tokenizer's own)",
+    )
+    d.add_argument(
+        "--max-len",
+        type=_positive,
+        metavar="N",
+        help="cut a longer conversation after its last assistant turn that ends within N tokens; drop it if none"
+        " does",
+    )
     d.set_defaults(run=_data)
 
     tok = sub.add_parser("tokenizer", help="tokenizer tools").add_subparsers(required=True, metavar="ACTION")
@@ -256,6 +281,11 @@ def _parser() -> argparse.ArgumentParser:
     x.add_argument(
         "--shard-gb", type=_positive_float, default=5.0, help="largest shard, GB (5, as save_pretrained)"
     )
+    x.add_argument(
+        "--chat-template",
+        help="the chat template to write as chat_template.jinja: chatml, a .jinja file, or a named template of "
+        "the tokenizer (as `axgen data --chat-template`; default: the tokenizer's own, if it has one)",
+    )
     x.add_argument("--force", action="store_true", help="replace an existing --out")
     x.set_defaults(run=_export_hf)
     return parser
@@ -263,14 +293,19 @@ def _parser() -> argparse.ArgumentParser:
 
 def _input_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="+", help="files, directories, globs: .txt .jsonl .json .parquet")
-    parser.add_argument("--field", default="text", help="JSON Lines: the string field of each record (text)")
-    parser.add_argument("--column", default="text", help="Parquet: the string column (text)")
+    parser.add_argument(
+        "--field",
+        help="JSON Lines: the field of each record (text; messages with --chat, conversations with --sharegpt)",
+    )
+    parser.add_argument("--column", help="Parquet: the column (text; as --field with --chat, --sharegpt)")
     parser.add_argument("--doc-per-line", action="store_true", help="text: a document per non-empty line")
     parser.add_argument("--skip-bad", action="store_true", help="skip and count bad records, not stop")
 
 
 def _read_options(args) -> ReadOptions:
-    return ReadOptions(args.field, args.column, args.doc_per_line, args.skip_bad)
+    chat, sharegpt = getattr(args, "chat", False), getattr(args, "sharegpt", False)
+    default = "conversations" if sharegpt else "messages" if chat else "text"
+    return ReadOptions(args.field or default, args.column or default, args.doc_per_line, args.skip_bad)
 
 
 def _jobs(args) -> list[tuple[Path, str, Path]]:
@@ -433,19 +468,34 @@ def _corpus(args) -> int:
 
 
 def _data(args) -> int:
+    args.chat = args.chat or args.sharegpt
+    if not args.chat:
+        for flag, value in (("--chat-template", args.chat_template), ("--max-len", args.max_len)):
+            if value is not None:
+                raise DataError(f"{flag} is for conversations: pass --chat (or --sharegpt) too")
+    elif args.doc_per_line:
+        raise DataError("--doc-per-line reads plain text; --chat reads JSON Lines or Parquet records")
     check_output_dir(args.out)
     tokenizer = load_tokenizer(args.tokenizer, bos=args.bos, eos=args.eos)
     start = time.perf_counter()
-    manifest = build_dataset(
-        args.inputs,
-        tokenizer,
-        args.out,
-        _read_options(args),
-        eval_fraction=args.eval_fraction,
-        seed=args.seed,
-        shard_tokens=args.shard_tokens,
-        overwrite=args.force,
-    )
+    settings = dict(eval_fraction=args.eval_fraction, seed=args.seed, shard_tokens=args.shard_tokens)
+    if args.chat:
+        template = load_chat_template(tokenizer, args.chat_template, bos=args.bos, eos=args.eos)
+        manifest = build_chat_dataset(
+            args.inputs,
+            tokenizer,
+            template,
+            args.out,
+            _read_options(args),
+            sharegpt=args.sharegpt,
+            max_len=args.max_len,
+            overwrite=args.force,
+            **settings,
+        )
+    else:
+        manifest = build_dataset(
+            args.inputs, tokenizer, args.out, _read_options(args), overwrite=args.force, **settings
+        )
     print(f"wrote {args.out}: {summary(manifest, time.perf_counter() - start)}")
     return 0
 
@@ -479,7 +529,15 @@ def _export_hf(args) -> int:
     shard_bytes = int(args.shard_gb * 10**9)
     dtype = export_dtype(spec, args.dtype)
     written = export_hf(
-        spec, args.ckpt, args.out, dtype, args.tokenizer, shard_bytes, args.force, args.fused_experts
+        spec,
+        args.ckpt,
+        args.out,
+        dtype,
+        args.tokenizer,
+        shard_bytes,
+        args.force,
+        args.fused_experts,
+        args.chat_template,
     )
     size = sum(bytes_ for _, bytes_ in written.values())
     print(f"wrote {args.out}: {len(written)} tensors of {spec.name} in {dtype}, {size / 2**30:.2f} GiB")

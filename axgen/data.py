@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
+from axgen.chat import ChatTemplate, ConversationCounts, encode_conversations
 from axgen.files import check_replaceable, staging_dir
 from axgen.inputs import (
     SKIPPED_EXAMPLES,
@@ -21,10 +22,11 @@ from axgen.inputs import (
     Skipped,
     expand_inputs,
     no_documents,
+    read_conversations,
     read_texts,
 )
 from axgen.runtime import dataset
-from axgen.runtime.dataset import FORMAT, MANIFEST
+from axgen.runtime.dataset import FORMAT, MANIFEST, MASKED_FORMAT
 from axgen.tokenizer import LoadedTokenizer
 
 SPLITS = ("train", "eval")
@@ -50,32 +52,99 @@ def build_dataset(
     manifest."""
     files = expand_inputs(inputs)
     skipped = Skipped(options.skip_bad)
+    documents = tokenizer.encode(read_texts(files, options, skipped))
+    settings = dict(eval_fraction=eval_fraction, seed=seed, shard_tokens=shard_tokens, overwrite=overwrite)
+    return _write_encoded(out_dir, documents, tokenizer, files, skipped, **settings)
+
+
+def _write_encoded(
+    out_dir: Path, documents, tokenizer: LoadedTokenizer, files, skipped: Skipped, **settings
+) -> dict:
+    """write_dataset of documents `tokenizer` encoded from `files`, which the manifest names."""
     return write_dataset(
         out_dir,
-        tokenizer.encode(read_texts(files, options, skipped)),
+        documents,
         vocab_size=tokenizer.vocab_size,
         bos_id=tokenizer.bos_id,
         eos_id=tokenizer.eos_id,
         tokenizer=tokenizer.manifest_entry(),
-        eval_fraction=eval_fraction,
-        seed=seed,
-        shard_tokens=shard_tokens,
         sources=[str(path) for path in files],
         skipped=skipped,
-        overwrite=overwrite,
+        **settings,
     )
 
 
+def build_chat_dataset(
+    inputs: Iterable[str],
+    tokenizer: LoadedTokenizer,
+    template: ChatTemplate,
+    out_dir: Path,
+    options: ReadOptions,
+    *,
+    sharegpt: bool = False,
+    max_len: int | None = None,
+    eval_fraction: float = 0.01,
+    seed: int = 0,
+    shard_tokens: int = 50_000_000,
+    overwrite: bool = False,
+) -> dict:
+    """`axgen data --chat`: reads conversations (`options.field` of JSON Lines records, `options.column` of
+    Parquet rows), renders each with `template`, and writes the token ids with their loss masks as a masked
+    dataset; returns its manifest. Conversations longer than `max_len` tokens are cut after their last
+    assistant turn that ends within it, or dropped where none does (`axgen.chat.cut_to`)."""
+    files = expand_inputs(inputs)
+    skipped = Skipped(options.skip_bad)
+    counts = ConversationCounts(max_len=max_len)
+    conversations = read_conversations(files, options.field, options.column, skipped)
+    documents = encode_conversations(
+        conversations, template, tokenizer, sharegpt=sharegpt, skipped=skipped, counts=counts
+    )
+    return _write_encoded(
+        out_dir,
+        documents,
+        tokenizer,
+        files,
+        skipped,
+        eval_fraction=eval_fraction,
+        seed=seed,
+        shard_tokens=shard_tokens,
+        overwrite=overwrite,
+        conversations=_ChatManifest(template, "sharegpt" if sharegpt else "messages", counts),
+    )
+
+
+class _ChatManifest:
+    """The manifest's "conversations" entry, read once every conversation has been counted."""
+
+    def __init__(self, template: ChatTemplate, form: str, counts: ConversationCounts):
+        self.template, self.form, self.counts = template, form, counts
+
+    def manifest_entry(self) -> dict:
+        return {
+            "form": self.form,
+            "chat_template": self.template.manifest_entry(),
+            **self.counts.manifest_entry(),
+        }
+
+
 def summary(manifest: dict, seconds: float) -> str:
-    """One line: documents and tokens per split, shards, skipped records and throughput."""
+    """One line: documents (conversations) and tokens per split, shards, what was trained, cut and skipped, and
+    throughput."""
     splits = manifest["splits"]
-    parts = [
-        f"{name} {split['num_documents']:,} documents / {split['num_tokens']:,} tokens "
-        f"in {len(split['shards'])} shard{'' if len(split['shards']) == 1 else 's'}"
-        for name, split in splits.items()
-    ]
+    chat = manifest.get("conversations")
+    parts = []
+    for name, split in splits.items():
+        shards = len(split["shards"])
+        trained = f" ({split['num_trained_tokens']:,} trained)" if chat else ""
+        parts.append(
+            f"{name} {split['num_documents']:,} {'conversations' if chat else 'documents'} /"
+            f" {split['num_tokens']:,} tokens{trained} in {shards} shard{'' if shards == 1 else 's'}"
+        )
     tokens = sum(split["num_tokens"] for split in splits.values())
-    return f"{', '.join(parts)}; {manifest['skipped']['count']} skipped; {tokens / seconds:,.0f} tokens/s"
+    cut = f"; {chat['truncated']} cut and {chat['dropped_too_long']} dropped by --max-len" if chat else ""
+    return (
+        f"{', '.join(parts)}{cut}; {manifest['skipped']['count']} skipped; {tokens / seconds:,.0f} tokens/s"
+    )
 
 
 # --- the dataset format -------------------------------------------------------------------------------------
@@ -95,6 +164,7 @@ def write_dataset(
     sources: list[str] = (),
     skipped=(0, []),
     overwrite: bool = False,
+    conversations=None,
 ) -> dict:
     """Writes `documents` (1-D integer arrays of token ids, without bos/eos) as a dataset; returns the
     manifest.
@@ -102,22 +172,27 @@ def write_dataset(
     Each document goes to eval with probability `eval_fraction`, drawn in order from
     `np.random.default_rng(seed)`. `skipped` is (count, examples), read once `documents` is exhausted, so a
     reader may still be counting while it is consumed. An existing `out_dir` is replaced only with
-    `overwrite`, and only when it is a dataset (or empty)."""
+    `overwrite`, and only when it is a dataset (or empty).
+
+    With `conversations` (a dict for the manifest, or an object whose `manifest_entry()` gives one once
+    `documents` is exhausted), the dataset is a masked one (format 2): each document is a pair (token ids, loss
+    mask of 0s and 1s, as long), stored as it is, without bos/eos."""
     out_dir = Path(out_dir)
     _check_settings(vocab_size, bos_id, eos_id, eval_fraction, shard_tokens)
     check_replaceable(out_dir, overwrite, MANIFEST)
     staging = staging_dir(out_dir)
+    masked = conversations is not None
     try:
         token_dtype = np.uint16 if vocab_size <= UINT16_VOCAB else np.uint32
         splits = {
-            name: _SplitWriter(staging, name, token_dtype, vocab_size, bos_id, eos_id, shard_tokens)
+            name: _SplitWriter(staging, name, token_dtype, vocab_size, bos_id, eos_id, shard_tokens, masked)
             for name in SPLITS
         }
-        _distribute(documents, splits, eval_fraction, seed)
+        _distribute(documents, splits, eval_fraction, seed, masked)
         skipped_count, skipped_examples = skipped
         _check_split_sizes(splits, list(sources), skipped_count)
         manifest = {
-            "format": FORMAT,
+            "format": MASKED_FORMAT if masked else FORMAT,
             "tokenizer": tokenizer
             or {"path": None, "sha256": None, "vocab_size": vocab_size, "bos_id": bos_id, "eos_id": eos_id},
             "token_dtype": np.dtype(token_dtype).name,
@@ -128,6 +203,10 @@ def write_dataset(
             "skipped": {"count": skipped_count, "examples": list(skipped_examples)[:SKIPPED_EXAMPLES]},
             "splits": {name: writer.manifest() for name, writer in splits.items()},
         }
+        if masked:
+            manifest["conversations"] = (
+                conversations if isinstance(conversations, dict) else conversations.manifest_entry()
+            )
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         _publish(staging, out_dir, overwrite)
     except BaseException:
@@ -150,14 +229,24 @@ def _check_settings(
         raise DataError(f"shard_tokens {shard_tokens}: must be positive")
 
 
-def _distribute(documents: Iterable[np.ndarray], splits: dict, eval_fraction: float, seed: int) -> None:
+def _distribute(
+    documents: Iterable, splits: dict, eval_fraction: float, seed: int, masked: bool = False
+) -> None:
     rng = np.random.default_rng(seed)
     for index, document in enumerate(documents):
-        document = np.asarray(document)
+        mask = None
+        if masked:
+            document, mask = (np.asarray(part) for part in document)
+        else:
+            document = np.asarray(document)
         if document.ndim != 1 or document.dtype.kind not in "iu":
             shape = "x".join(map(str, document.shape)) or "scalar"
             raise DataError(f"document {index}: expected a 1-D integer array, not {document.dtype} {shape}")
-        splits["eval" if rng.random() < eval_fraction else "train"].add(document)
+        if mask is not None and (mask.shape != document.shape or not np.isin(mask, (0, 1)).all()):
+            raise DataError(
+                f"document {index}: its loss mask is not one 0 or 1 for each of its {len(document)} tokens"
+            )
+        splits["eval" if rng.random() < eval_fraction else "train"].add(document, mask)
     for writer in splits.values():
         writer.close()
 
@@ -186,7 +275,8 @@ def _publish(staging: Path, out_dir: Path, overwrite: bool) -> None:
 
 
 class _SplitWriter:
-    """One split's shards: documents gather until they hold `shard_tokens` tokens, then become a shard."""
+    """One split's shards: documents gather until they hold `shard_tokens` tokens, then become a shard. A masked
+    split's documents come with their loss masks and are stored unframed (their chat template frames them)."""
 
     def __init__(
         self,
@@ -197,19 +287,23 @@ class _SplitWriter:
         bos_id: int | None,
         eos_id: int,
         shard_tokens: int,
+        masked: bool = False,
     ):
         self.directory, self.split, self.token_dtype = directory, split, token_dtype
-        self.vocab_size, self.shard_tokens = vocab_size, shard_tokens
+        self.vocab_size, self.shard_tokens, self.masked = vocab_size, shard_tokens, masked
         # In the token dtype, so framing never widens the documents' own dtype when they are concatenated.
-        self.bos = [] if bos_id is None else [np.array([bos_id], dtype=token_dtype)]
-        self.eos = np.array([eos_id], dtype=token_dtype)
-        self.framing = len(self.bos) + 1
+        self.bos = [] if bos_id is None or masked else [np.array([bos_id], dtype=token_dtype)]
+        self.eos = [] if masked else [np.array([eos_id], dtype=token_dtype)]
+        self.framing = len(self.bos) + len(self.eos)
         self.pending: list[np.ndarray] = []
+        self.pending_masks: list[np.ndarray] = []
         self.pending_tokens = 0
         self.shards: list[dict] = []
 
-    def add(self, document: np.ndarray) -> None:
+    def add(self, document: np.ndarray, mask: np.ndarray | None = None) -> None:
         self.pending.append(document)
+        if self.masked:
+            self.pending_masks.append(mask)
         self.pending_tokens += len(document) + self.framing
         if self.pending_tokens >= self.shard_tokens:
             self._save_shard()
@@ -227,14 +321,17 @@ class _SplitWriter:
         return max((shard["max_token_id"] for shard in self.shards), default=0)
 
     def manifest(self) -> dict:
-        return {
+        manifest = {
             "num_documents": self.num_documents,
             "num_tokens": sum(shard["num_tokens"] for shard in self.shards),
             "shards": self.shards,
         }
+        if self.masked:
+            manifest["num_trained_tokens"] = sum(shard["num_trained_tokens"] for shard in self.shards)
+        return manifest
 
     def _save_shard(self) -> None:
-        tokens = np.concatenate([part for doc in self.pending for part in (*self.bos, doc, self.eos)])
+        tokens = np.concatenate([part for doc in self.pending for part in (*self.bos, doc, *self.eos)])
         low, high = int(tokens.min()), int(tokens.max())
         if low < 0 or high >= self.vocab_size:
             bad = low if low < 0 else high
@@ -242,18 +339,16 @@ class _SplitWriter:
                 f"token id {bad} in the {self.split} split is outside the vocabulary of {self.vocab_size}"
             )
         ends = np.cumsum([len(doc) + self.framing for doc in self.pending], dtype=np.int64)
-        files = dataset.shard_files(self.split, len(self.shards))
+        files = dataset.shard_files(self.split, len(self.shards), self.masked)
         np.save(self.directory / files["tokens"], tokens.astype(self.token_dtype, copy=False))
         np.save(self.directory / files["docs"], ends)
-        self.shards.append(
-            {
-                **files,
-                "num_documents": len(self.pending),
-                "num_tokens": len(tokens),
-                "max_token_id": high,
-            }
-        )
-        self.pending, self.pending_tokens = [], 0
+        shard = {**files, "num_documents": len(self.pending), "num_tokens": len(tokens), "max_token_id": high}
+        if self.masked:
+            mask = np.concatenate(self.pending_masks).astype(np.uint8)
+            np.save(self.directory / files["mask"], mask)
+            shard["num_trained_tokens"] = int(mask.sum(dtype=np.int64))
+        self.shards.append(shard)
+        self.pending, self.pending_masks, self.pending_tokens = [], [], 0
 
 
 def read_manifest(dir: Path) -> dict:

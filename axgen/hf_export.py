@@ -23,10 +23,17 @@ from axgen.hf_weights import DTYPES
 from axgen.interop import CheckpointError, host_jax, iter_hf_tensors
 from axgen.runtime.checkpoints import host_checksum
 from axgen.spec import Model
+from axgen.chat import load_chat_template
 from axgen.tokenizer import load_tokenizer
 
 SAFETENSORS_DTYPES = {np.dtype(dtype): name for name, dtype in DTYPES.items()}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "chat_template.jinja",  # transformers prefers it to tokenizer_config.json's chat_template
+)
 
 
 def hf_config(spec: Model, dtype: str) -> dict:
@@ -223,17 +230,22 @@ def export_hf(
     shard_bytes: int = 5 * 10**9,
     overwrite: bool = False,
     fused_experts: bool = False,
+    chat_template: str | None = None,
 ) -> dict[str, tuple[str, int]]:
     """Writes the HF model folder at `out`, published only when complete; returns each tensor's shard and size.
     The weights are in `dtype`, else the dtype of the checkpoint the spec was imported from, else bfloat16; the
     routed experts as the family's published checkpoints hold them, one tensor per expert, unless
-    `fused_experts` (transformers 5's layout in memory, which it also loads)."""
+    `fused_experts` (transformers 5's layout in memory, which it also loads). With a tokenizer, its files go
+    along, its chat template too; `chat_template` (`chatml`, a .jinja file, or one of the tokenizer's named
+    templates: what `axgen data --chat-template` takes) is written as the folder's chat_template.jinja."""
     out = Path(out).resolve()
     check_replaceable(out, overwrite, "config.json")
     dtype = export_dtype(spec, dtype)
     config = hf_config(spec, dtype)
+    if chat_template is not None and tokenizer is None:
+        raise CheckpointError(f"--chat-template {chat_template}: needs --tokenizer, whose files it goes with")
     if tokenizer is not None:
-        tokenizer = _tokenizer_files(Path(tokenizer), spec)
+        tokenizer, template = _tokenizer_files(Path(tokenizer), spec, chat_template)
     params = load_params(checkpoint)
     tensors = iter_hf_tensors(params, spec, _numpy_dtype(dtype))
     layout = expert_layout(spec)
@@ -248,6 +260,8 @@ def export_hf(
         (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for source, name in tokenizer or ():
             shutil.copy2(source, staging / name)
+        if chat_template is not None:
+            (staging / "chat_template.jinja").write_text(template)
         if out.exists():
             shutil.rmtree(out)
         staging.rename(out)
@@ -317,22 +331,25 @@ def _write_safetensors(path: Path, header: dict, data: Path) -> None:
     data.unlink()
 
 
-def _tokenizer_files(source: Path, spec: Model) -> list[tuple[Path, str]]:
+def _tokenizer_files(
+    source: Path, spec: Model, chat_template: str | None
+) -> tuple[list[tuple[Path, str]], str | None]:
     """(file, name to write it as) of a tokenizer.json, or of a folder holding one, and its config files beside
-    it; the tokenizer must load and fit the spec's vocabulary."""
+    it, and the text of the chat template asked for; the tokenizer must load and fit the spec's vocabulary."""
     if not source.exists():
         raise CheckpointError(f"{source}: no such file or folder (--tokenizer)")
     tokenizer_json = source / "tokenizer.json" if source.is_dir() else source
     if not tokenizer_json.is_file():
         raise CheckpointError(f"{source}: has no tokenizer.json (--tokenizer)")
-    vocab = load_tokenizer(tokenizer_json).vocab_size
-    if vocab > spec.vocab_size:
+    tokenizer = load_tokenizer(tokenizer_json)
+    if tokenizer.vocab_size > spec.vocab_size:
         raise CheckpointError(
-            f"{tokenizer_json}: its {vocab} tokens exceed vocab_size={spec.vocab_size} of {spec.origin}"
+            f"{tokenizer_json}: its {tokenizer.vocab_size} tokens exceed vocab_size={spec.vocab_size} of {spec.origin}"
         )
+    template = None if chat_template is None else load_chat_template(tokenizer, chat_template).text
     beside = [
         (tokenizer_json.with_name(name), name)
         for name in TOKENIZER_FILES[1:]
-        if tokenizer_json.with_name(name).is_file()
+        if tokenizer_json.with_name(name).is_file() and not (name == "chat_template.jinja" and template)
     ]
-    return [(tokenizer_json, "tokenizer.json"), *beside]
+    return [(tokenizer_json, "tokenizer.json"), *beside], template

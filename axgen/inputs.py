@@ -119,25 +119,72 @@ def _plain_text(path: Path, options: ReadOptions, skipped: Skipped) -> Iterator[
 
 
 def _json_lines(path: Path, options: ReadOptions, skipped: Skipped) -> Iterator[str]:
+    for where, record in _json_records(path, skipped):
+        text = record.get(options.field) if isinstance(record, dict) else None
+        if isinstance(text, str):
+            yield text
+        else:
+            skipped.bad(where, _no_string_field(record, options.field))
+
+
+def _json_records(path: Path, skipped: Skipped) -> Iterator[tuple[str, object]]:
+    """(file:line, value) of each non-blank line of a JSON Lines file that parses."""
     with _open(path) as lines:
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             where = f"{path}:{number}"
             try:
-                record = json.loads(line)
+                yield where, json.loads(line)
             except UnicodeDecodeError as err:
                 skipped.bad(where, _not_utf8(err))
-                continue
             except json.JSONDecodeError as err:
                 hint = JSON_IS_JSON_LINES if path.suffix.lower() == ".json" else ""
                 skipped.bad(where, f"not valid JSON: {err.msg}: column {err.colno}{hint}")
-                continue
-            text = record.get(options.field) if isinstance(record, dict) else None
-            if isinstance(text, str):
-                yield text
+
+
+def read_conversations(
+    files: Iterable[Path], field: str, column: str, skipped: Skipped
+) -> Iterator[tuple[str, object]]:
+    """(where, value) of each record's conversation: a JSON Lines record's `field`, a Parquet row's `column` (as
+    Python lists and dicts); whether the value is a conversation is the caller's to check. Plain text holds no
+    records, so a .txt input is refused."""
+    for path in files:
+        suffix = path.suffix.lower()
+        if suffix == ".txt":
+            raise DataError(f"{path}: plain text holds no conversations (pass JSON Lines or Parquet records)")
+        if suffix == ".parquet":
+            yield from _parquet_lists(path, column, skipped)
+            continue
+        for where, record in _json_records(path, skipped):
+            if isinstance(record, dict) and field in record:
+                yield where, record[field]
+            elif isinstance(record, dict):
+                skipped.bad(where, f'no field "{field}" (keys: {", ".join(record) or "none"}); pass --field')
             else:
-                skipped.bad(where, _no_string_field(record, options.field))
+                skipped.bad(where, f'a JSON {_json_type(record)}, not an object with a field "{field}"')
+
+
+def _parquet_lists(path: Path, column: str, skipped: Skipped) -> Iterator[tuple[str, object]]:
+    """A list column, row by row, batch by batch."""
+    file = _parquet_file(path)
+    schema = file.schema_arrow
+    if column not in schema.names:
+        raise DataError(f'{path}: no column "{column}" (columns: {", ".join(schema.names)}); pass --column')
+    kind = schema.field(column).type
+    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
+        raise DataError(f'{path}: column "{column}" holds {kind}, not lists of messages; pass --column')
+    row = 0
+    try:
+        for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[column]):
+            for value in batch.column(0).to_pylist():
+                if value is None:
+                    skipped.bad(f"{path}: row {row}", f'"{column}" is null')
+                else:
+                    yield f"{path}: row {row}", value
+                row += 1
+    except pa.ArrowException as err:
+        raise DataError(f"{path}: unreadable after row {row}: {first_line(err)}") from None
 
 
 def _no_string_field(record: object, name: str) -> str:
@@ -155,10 +202,7 @@ def _json_type(value: object) -> str:
 
 def _parquet(path: Path, options: ReadOptions, skipped: Skipped) -> Iterator[str]:
     """Reads the text column batch by batch, so a file larger than memory streams through."""
-    try:
-        file = pq.ParquetFile(path)
-    except (pa.ArrowException, OSError) as err:
-        raise DataError(f"{path}: not a readable Parquet file: {first_line(err)}") from None
+    file = _parquet_file(path)
     schema = file.schema_arrow
     if options.column not in schema.names:
         raise DataError(
@@ -178,6 +222,13 @@ def _parquet(path: Path, options: ReadOptions, skipped: Skipped) -> Iterator[str
                 row += 1
     except pa.ArrowException as err:
         raise DataError(f"{path}: unreadable after row {row}: {first_line(err)}") from None
+
+
+def _parquet_file(path: Path) -> pq.ParquetFile:
+    try:
+        return pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as err:
+        raise DataError(f"{path}: not a readable Parquet file: {first_line(err)}") from None
 
 
 def _open(path: Path) -> BinaryIO:

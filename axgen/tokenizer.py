@@ -7,10 +7,11 @@ import hashlib
 import itertools
 import json
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import numpy as np
 from tokenizers import Encoding, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -33,6 +34,8 @@ MAX_TRAINED_VOCAB = 2**24
 # Texts per encode call, by size: large enough to keep every core of tokenizers' thread pool busy, small
 # enough that reading the next batch and writing the last one overlap with it.
 BATCH_CHARS = 4_000_000
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -57,24 +60,32 @@ class LoadedTokenizer:
         }
 
     def encode(self, texts: Iterable[str]) -> Iterator[np.ndarray]:
-        """The token ids of each text (without special tokens), in order. A worker thread only encodes
-        (tokenizers releases the GIL and spreads a batch over every core) while this one reads the next batch,
-        turns the last one's ids into arrays and hands them to the caller to write."""
-        encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode")
-        try:
-            encoded: Future | None = None
-            for batch in _batches(texts):
-                next_encoded = encoder.submit(
-                    self.tokenizer.encode_batch_fast, batch, add_special_tokens=False
-                )
-                if encoded is not None:
-                    yield from _ids(encoded.result())
-                encoded = next_encoded
-            if encoded is not None:
-                yield from _ids(encoded.result())
-        finally:
-            # On an error or interrupt the queued batch is dropped; the one being encoded cannot be stopped.
-            encoder.shutdown(cancel_futures=True)
+        """The token ids of each text (without special tokens), in order, encoded by `pipelined`."""
+
+        def encode(batch: list[str]) -> list[Encoding]:
+            return self.tokenizer.encode_batch_fast(batch, add_special_tokens=False)
+
+        for encodings in pipelined(_batches(texts), encode):
+            yield from _ids(encodings)
+
+
+def pipelined(batches: Iterable[T], work: Callable[[T], R]) -> Iterator[R]:
+    """work(batch) of each batch, in order. A worker thread only works (tokenizers releases the GIL and spreads a
+    batch over every core) while this one makes the next batch and hands the last one's result to the caller.
+    """
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="encode")
+    try:
+        pending: Future | None = None
+        for batch in batches:
+            next_pending = worker.submit(work, batch)
+            if pending is not None:
+                yield pending.result()
+            pending = next_pending
+        if pending is not None:
+            yield pending.result()
+    finally:
+        # On an error or interrupt the queued batch is dropped; the one being worked on cannot be stopped.
+        worker.shutdown(cancel_futures=True)
 
 
 def _ids(encodings: list[Encoding]) -> Iterator[np.ndarray]:
@@ -108,7 +119,7 @@ def load_tokenizer(path: Path, *, bos: str | None = None, eos: str | None = None
     except Exception as err:
         message = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise DataError(f"{path}: not a valid tokenizer.json: {message}") from None
-    config = _config(path.with_name(CONFIG))
+    config = read_tokenizer_config(path.with_name(CONFIG))
     bos_id = _special_id(tokenizer, path, "bos", bos, config, BOS_NAMES)
     eos_id = _special_id(tokenizer, path, "eos", eos, config, EOS_NAMES)
     if eos_id is None:
@@ -119,7 +130,7 @@ def load_tokenizer(path: Path, *, bos: str | None = None, eos: str | None = None
     return LoadedTokenizer(tokenizer, path, hashlib.sha256(data).hexdigest(), bos_id, eos_id)
 
 
-def _config(path: Path) -> dict:
+def read_tokenizer_config(path: Path) -> dict:
     """tokenizer_config.json, or {} where there is none."""
     try:
         config = json.loads(path.read_text())

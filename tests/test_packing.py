@@ -42,13 +42,15 @@ def test_packed_row_gives_each_document_its_losses_alone(features, tmp_path):
     documents = [rng.integers(1, program.CONFIG["vocab_size"], size) for size in (23, 40, 2, 17)]
     tokens, segment_ids = packed_row(documents, 96)
 
-    losses, counted, _ = program.target_losses(params, jnp.asarray(tokens), jnp.asarray(segment_ids))
+    every_token = np.ones_like(tokens)  # plain text: every target trains
+    losses, counted, _ = program.target_losses(
+        params, jnp.asarray(tokens), jnp.asarray(segment_ids), every_token
+    )
     losses, counted = np.asarray(losses[0]), np.asarray(counted[0])
     start = 0
     for document in documents:
-        alone, alone_counted, _ = program.target_losses(
-            params, document[None], np.ones((1, len(document)), np.int32)
-        )
+        ones = np.ones((1, len(document)), np.int32)
+        alone, alone_counted, _ = program.target_losses(params, document[None], ones, ones)
         assert np.asarray(alone_counted).all()
         targets = slice(start, start + len(document) - 1)
         assert counted[targets].all()
@@ -67,8 +69,9 @@ def test_without_document_masking_a_document_sees_the_one_before():
     params = program.init_params(jax.random.key(0))
     rng = np.random.default_rng(1)
     tokens, segment_ids = packed_row([rng.integers(1, 256, 20), rng.integers(1, 256, 20)], 40)
-    masked, _, _ = program.target_losses(params, tokens, segment_ids)
-    merged, _, _ = program.target_losses(params, tokens, np.minimum(segment_ids, 1))
+    every_token = np.ones_like(tokens)
+    masked, _, _ = program.target_losses(params, tokens, segment_ids, every_token)
+    merged, _, _ = program.target_losses(params, tokens, np.minimum(segment_ids, 1), every_token)
     np.testing.assert_allclose(masked[0, :19], merged[0, :19], rtol=1e-6)
     assert not np.allclose(masked[0, 20:], merged[0, 20:], rtol=1e-3)
 

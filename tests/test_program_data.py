@@ -87,8 +87,8 @@ def test_order_is_seeded_per_epoch_and_shared_between_processes(program, tmp_pat
 def test_without_document_masking_rows_are_one_segment_and_padding_stays_out(program, tmp_path):
     write_dataset(tmp_path / "d", documents(3), vocab_size=256, bos_id=None, eos_id=0, eval_fraction=0)
     split = dataset.PackedSplit(tmp_path / "d", "train", seq_len=512)
-    _, masked = dataset.Batches(split, 1, seed=0, vocab_size=program.CONFIG["vocab_size"]).local_batch(0)
-    _, merged = dataset.Batches(
+    _, masked, _ = dataset.Batches(split, 1, seed=0, vocab_size=program.CONFIG["vocab_size"]).local_batch(0)
+    _, merged, _ = dataset.Batches(
         split, 1, seed=0, vocab_size=program.CONFIG["vocab_size"], documents=False
     ).local_batch(0)
     assert masked.max() > 1 and set(np.unique(merged)) <= {0, 1}

@@ -68,8 +68,9 @@ def test_evaluation_runs_in_the_train_steps_microbatches_and_fits_where_one_pass
     params = jax.jit(program.init_params)(jax.random.key(0))
     tokens = np.random.default_rng(0).integers(1, 512, (32, 129)).astype(np.int32)
     segments = np.repeat(np.arange(1, 5), [40, 30, 30, 29])[None].repeat(32, 0).astype(np.int32)
-    sums = jax.jit(module.eval_step)(params, tokens, segments)
-    one_pass = jax.jit(module.eval_sums)(params, tokens, segments)
+    every_token = np.ones_like(tokens)
+    sums = jax.jit(module.eval_step)(params, tokens, segments, every_token)
+    one_pass = jax.jit(module.eval_sums)(params, tokens, segments, every_token)
     assert int(sums["targets"]) == int(one_pass["targets"]) == 32 * 125
     np.testing.assert_allclose(float(sums["loss_sum"]), float(one_pass["loss_sum"]), rtol=1e-5)
 

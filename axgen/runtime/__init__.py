@@ -7,7 +7,7 @@ needs axgen installed (`pip install --no-deps axgen` beside its own jax works) b
 dependencies.
 """
 
-from axgen.runtime.losses import cross_entropy
+from axgen.runtime.losses import cross_entropy, trained_targets
 from axgen.runtime.params import ParamSpec, init_params
 from axgen.runtime.run import main
 from axgen.runtime.sharding import constrain, logical_to_mesh, param_shardings
@@ -24,4 +24,5 @@ __all__ = [
     "main",
     "param_shardings",
     "summed_over_microbatches",
+    "trained_targets",
 ]

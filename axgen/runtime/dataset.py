@@ -4,6 +4,12 @@ A dataset is a directory of `manifest.json` and, per split ("train", "eval"), sh
 (every document's tokens back to back, each framed as `[bos] + tokens + [eos]`) with `<split>-NNNNN.docs.npy`
 (the exclusive end offset of each document). Programs cut each shard into windows of seq_len + 1 tokens and
 number the documents in each window (segment ids), so attention and the loss never cross a document.
+
+Format 2 (`axgen data --chat`) adds a loss mask: beside each shard, `<split>-NNNNN.mask.npy`, uint8, one value per
+token, 1 where the token is a target the loss trains on (the assistant's tokens and the end of each of its turns)
+and 0 where it is not (system, user and tool turns, the chat template's own text). Its documents are
+conversations stored exactly as their chat template renders them, with no framing added (the template writes
+the BOS and end-of-turn tokens its model expects). A format-1 dataset reads as all ones.
 """
 
 import collections
@@ -16,6 +22,8 @@ import jax
 import numpy as np
 
 FORMAT = "axgen-dataset/1"
+# A version that format-1 readers refuse, so an older runtime never trains a masked dataset on every token.
+MASKED_FORMAT = "axgen-dataset/2"
 MANIFEST = "manifest.json"
 
 
@@ -23,10 +31,12 @@ class DatasetError(ValueError):
     """A dataset that cannot be read as FORMAT describes, or does not fit the model; the message names the file."""
 
 
-def shard_files(split: str, index: int) -> dict[str, str]:
-    """The file names of a split's shard: its tokens and its documents' end offsets."""
+def shard_files(split: str, index: int, masked: bool = False) -> dict[str, str]:
+    """The file names of a split's shard: its tokens, its documents' end offsets and, in a masked dataset, its
+    loss mask."""
     stem = f"{split}-{index:05d}"
-    return {"tokens": f"{stem}.tokens.npy", "docs": f"{stem}.docs.npy"}
+    files = {"tokens": f"{stem}.tokens.npy", "docs": f"{stem}.docs.npy"}
+    return {**files, "mask": f"{stem}.mask.npy"} if masked else files
 
 
 def read_manifest(directory) -> dict:
@@ -44,8 +54,8 @@ def read_manifest(directory) -> dict:
     except (OSError, UnicodeDecodeError) as err:
         raise DatasetError(f"{path}: cannot read: {_first_line(err)}") from None
     found = manifest.get("format") if isinstance(manifest, dict) else None
-    if found != FORMAT:
-        raise DatasetError(f'{path}: format {json.dumps(found)}, expected "{FORMAT}"')
+    if found not in (FORMAT, MASKED_FORMAT):
+        raise DatasetError(f'{path}: format {json.dumps(found)}, expected "{FORMAT}" or "{MASKED_FORMAT}"')
     return manifest
 
 
@@ -83,10 +93,15 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def open_shard(directory, shard: dict, token_dtype: str):
-    """A shard's tokens and each document's end offset, memory-mapped, after checking them against the manifest."""
+def open_shard(directory, shard: dict, token_dtype: str, masked: bool = False):
+    """A shard's tokens, each document's end offset and (in a masked dataset, else None) its loss mask,
+    memory-mapped, after checking them against the manifest."""
     arrays = {}
-    for key in ("tokens", "docs"):
+    for key in ("tokens", "docs", "mask") if masked else ("tokens", "docs"):
+        if key not in shard:
+            raise DatasetError(
+                f"{os.path.join(directory, MANIFEST)}: a shard of a masked dataset names no {key} file"
+            )
         path = os.path.join(directory, shard[key])
         try:
             arrays[key] = np.load(path, mmap_mode="r")
@@ -113,20 +128,31 @@ def open_shard(directory, shard: dict, token_dtype: str):
             f"shard {docs_path}: the last document ends at {bounds[-1]}, but {tokens_path} holds"
             f" {len(tokens)} tokens"
         )
-    return tokens, ends
+    mask = arrays.get("mask")
+    if mask is not None and (mask.dtype != np.uint8 or mask.shape != tokens.shape):
+        raise DatasetError(
+            f"shard {os.path.join(directory, shard['mask'])} holds {len(mask)} {mask.dtype} values; a loss mask"
+            f" holds one uint8 for each of the {len(tokens)} tokens of {tokens_path}"
+        )
+    return tokens, ends, mask
 
 
 class PackedSplit:
     """One split of a dataset cut into windows of seq_len + 1 tokens. Documents lie back to back in each shard,
-    each ending with EOS, so a window packs whole documents and parts of those at its edges; consecutive windows
-    share one token, so every token is a target once. Each window comes with segment ids that number its documents
-    from 1; a shard's last window is padded with segment 0, which no loss counts."""
+    so a window packs whole documents and parts of those at its edges; consecutive windows share one token, so
+    every token is a target once. Each window comes with segment ids that number its documents from 1; a shard's
+    last window is padded with segment 0, which no loss counts. `masked` says whether the dataset holds loss
+    masks (format 2); `mask_window` gives each window's."""
 
     def __init__(self, directory, split: str, seq_len: int):
         manifest = read_manifest(directory)
         shards = manifest["splits"][split]["shards"]
-        self.shards = [open_shard(directory, shard, manifest["token_dtype"]) for shard in shards]
+        self.masked = manifest["format"] == MASKED_FORMAT
+        opened = [open_shard(directory, shard, manifest["token_dtype"], self.masked) for shard in shards]
+        self.shards = [(tokens, ends) for tokens, ends, _ in opened]
+        self.masks = [mask for _, _, mask in opened]
         self.files = [os.path.join(directory, shard["tokens"]) for shard in shards]
+        self.mask_files = [os.path.join(directory, shard.get("mask", "")) for shard in shards]
         self.seq_len = seq_len
         windows = [max(1, math.ceil((len(tokens) - 1) / seq_len)) for tokens, _ in self.shards]
         self.first_window = np.cumsum([0, *windows])
@@ -138,12 +164,16 @@ class PackedSplit:
         """The shard that window `index` is cut from."""
         return int(np.searchsorted(self.first_window, index, side="right")) - 1
 
+    def _bounds(self, index):
+        shard = self.shard_of(index)
+        start = (index - self.first_window[shard]) * self.seq_len
+        return shard, start, min(start + self.seq_len + 1, len(self.shards[shard][0]))
+
     def window(self, index):
         """Tokens and segment ids, each [seq_len + 1] int32, of window `index`."""
-        shard = self.shard_of(index)
+        shard, start, stop = self._bounds(index)
         tokens, ends = self.shards[shard]
-        start = (index - self.first_window[shard]) * self.seq_len
-        piece = tokens[start : start + self.seq_len + 1]
+        piece = tokens[start:stop]
         # Documents that end inside the window: the token after each end starts the next segment.
         first, last = np.searchsorted(ends, [start, start + len(piece) - 1], side="right")
         starts = np.zeros(len(piece), np.int32)
@@ -152,6 +182,14 @@ class PackedSplit:
         window[: len(piece)] = piece
         segment_ids[: len(piece)] = 1 + np.cumsum(starts)
         return window, segment_ids
+
+    def mask_window(self, index):
+        """The loss mask [seq_len + 1] int32 of window `index`, aligned with `window(index)`'s tokens: the stored
+        mask in a masked dataset, 1 for every token of one without; 0 in the padding past a shard's end."""
+        shard, start, stop = self._bounds(index)
+        mask = np.zeros(self.seq_len + 1, np.int32)
+        mask[: stop - start] = 1 if self.masks[shard] is None else self.masks[shard][start:stop]
+        return mask
 
 
 class Batches:
@@ -177,11 +215,11 @@ class Batches:
         return self.orders[epoch]
 
     def local_batch(self, step):
-        """tokens and segment ids [global_batch / processes, seq_len + 1] of this process's rows of `step`."""
-        rows = self.global_batch // jax.process_count()
-        first = step * self.global_batch + jax.process_index() * rows
-        epochs, offsets = np.divmod(np.arange(first, first + rows), len(self.split))
-        indices = [self.order(e)[i] for e, i in zip(epochs, offsets)]
+        """tokens, segment ids and loss mask [global_batch / processes, seq_len + 1] int32 of this process's rows
+        of `step`. The mask is 1 where the token is trained as a target (every token of plain text), 0 where it is
+        not (a non-assistant token of a conversation; padding): the target tokens[:, 1:] is weighted by
+        loss_mask[:, 1:]; loss_mask[:, 0] belongs to a token the previous window already predicts."""
+        indices = self._indices(step)
         tokens, segment_ids = (np.stack(arrays) for arrays in zip(*map(self.split.window, indices)))
         if not self.documents:
             segment_ids = np.minimum(segment_ids, 1)  # padding stays 0
@@ -191,7 +229,21 @@ class Batches:
                 f"shard {self.split.files[self.split.shard_of(indices[row])]} holds token {tokens[row].max()}"
                 f" >= vocab_size={self.vocab_size} (step {step})"
             )
-        return tokens, segment_ids
+        masks = np.stack([self.split.mask_window(i) for i in indices])
+        if masks.max() > 1:
+            row = int(np.argmax(masks.max(axis=1)))
+            raise DatasetError(
+                f"shard {self.split.mask_files[self.split.shard_of(indices[row])]} holds loss mask value"
+                f" {masks[row].max()}; a loss mask holds 0 and 1 (step {step})"
+            )
+        return tokens, segment_ids, masks
+
+    def _indices(self, step):
+        """The windows of this process's rows of `step`."""
+        rows = self.global_batch // jax.process_count()
+        first = step * self.global_batch + jax.process_index() * rows
+        epochs, offsets = np.divmod(np.arange(first, first + rows), len(self.split))
+        return [self.order(e)[i] for e, i in zip(epochs, offsets)]
 
 
 def prefetched(make_batch, steps, depth=2):

@@ -1,5 +1,5 @@
 """The next-token loss every program trains on, with a gradient written by hand so a step holds no more
-logits-sized buffers than the logits themselves."""
+logits-sized buffers than the logits themselves, and which targets it trains."""
 
 import jax
 import jax.numpy as jnp
@@ -36,3 +36,11 @@ def _backward(residuals, grad):
 
 
 cross_entropy.defvjp(_forward, _backward)
+
+
+def trained_targets(segment_ids, loss_mask):
+    """[batch, seq] of a [batch, seq + 1] window: whether each target (the tokens after the first) is trained. It
+    must continue the document of the token that predicts it (padding, segment 0, and the first token of the next
+    document never count) and be one the dataset trains: loss_mask 1, which is every token of plain text and the
+    assistant's turns of a conversation (`axgen data --chat`)."""
+    return (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0) & (loss_mask[:, 1:] != 0)

@@ -40,8 +40,9 @@ class MetricsLog:
 
 
 class Progress:
-    """The progress line (loss, learning rate, gradient norm, tokens/s, MFU, time left) and the metrics log's
-    records. Throughput counts from the first step's end; MFU is against `peak_flops_per_device`."""
+    """The progress line (loss, learning rate, gradient norm, tokens/s, MFU, time left, the targets the step
+    trained) and the metrics log's records. Throughput counts from the first step's end; MFU is against `peak_flops_per_device`.
+    """
 
     def __init__(
         self, log, start, end, tokens_per_step, flops_per_token, peak_flops_per_device, logged_metrics
@@ -67,7 +68,8 @@ class Progress:
         print(
             f"step {step} | loss {metrics['loss']:.4f} | grad_norm {metrics['grad_norm']:.3f}"
             f" | lr {metrics['lr']:.2e} | {throughput}"
-            + "".join(f" | {name} {metrics[name]:.4f}" for name in self.logged_metrics),
+            + "".join(f" | {name} {metrics[name]:.4f}" for name in self.logged_metrics)
+            + f" | targets {int(metrics['targets'])}",
             flush=True,
         )
         values = {name: float(value) for name, value in metrics.items()}

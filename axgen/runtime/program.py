@@ -128,7 +128,7 @@ class Program:
         return NamedSharding(mesh, spec)
 
     def batch_shape(self, mesh, global_batch):
-        """The abstract token windows (and segment ids) of a global batch."""
+        """The abstract token windows (and their segment ids and loss masks) of a global batch."""
         return jax.ShapeDtypeStruct(
             (global_batch, self.config["seq_len"] + 1),
             jnp.int32,
@@ -140,7 +140,7 @@ class Program:
         batch = self.batch_sharding(mesh, global_batch)
         return jax.jit(
             self.train_step,
-            in_shardings=(shardings, batch, batch),
+            in_shardings=(shardings, batch, batch, batch),
             out_shardings=(shardings, NamedSharding(mesh, P())),
             donate_argnums=0,
         )
@@ -149,7 +149,9 @@ class Program:
         """The train step compiled ahead of time for this batch, and its per-device peak bytes."""
         tokens = self.batch_shape(mesh, global_batch)
         compiled = (
-            self.jit_train_step(mesh, global_batch).lower(self.abstract_state(mesh), tokens, tokens).compile()
+            self.jit_train_step(mesh, global_batch)
+            .lower(self.abstract_state(mesh), tokens, tokens, tokens)
+            .compile()
         )
         return compiled, memory.step_peak_bytes(compiled.memory_analysis())
 
@@ -157,14 +159,14 @@ class Program:
         batch = self.batch_sharding(mesh, global_batch)
         params = self.state_shardings(mesh)["params"]
         return jax.jit(
-            self.eval_step, in_shardings=(params, batch, batch), out_shardings=NamedSharding(mesh, P())
+            self.eval_step, in_shardings=(params, batch, batch, batch), out_shardings=NamedSharding(mesh, P())
         )
 
     def compile_eval_step(self, mesh, global_batch):
         """The eval step compiled ahead of time for this batch, and its per-device peak bytes."""
         tokens = self.batch_shape(mesh, global_batch)
         params = self.abstract_state(mesh)["params"]
-        compiled = self.jit_eval_step(mesh, global_batch).lower(params, tokens, tokens).compile()
+        compiled = self.jit_eval_step(mesh, global_batch).lower(params, tokens, tokens, tokens).compile()
         return compiled, memory.step_peak_bytes(compiled.memory_analysis())
 
     def restore_params(self, path, mesh):

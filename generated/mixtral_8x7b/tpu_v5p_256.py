@@ -445,36 +445,37 @@ def forward(params, tokens, segment_ids=None):
 # --- training -----------------------------------------------------------------------------------------------
 
 
-def target_losses(params, tokens, segment_ids):
-    """Next-token cross-entropy in float32 of each target of a [batch, seq + 1] window of tokens, whether it counts,
-    and the auxiliary outputs. `segment_ids` [batch, seq + 1] numbers the documents packed into each row, 0 for
-    padding. A target counts when it continues the document of the token that predicts it: padding and the first
-    token of the next document never count."""
+def target_losses(params, tokens, segment_ids, loss_mask):
+    """Next-token cross-entropy in float32 of each target of a [batch, seq + 1] window of tokens, whether it is
+    trained, and the auxiliary outputs. `segment_ids` numbers the documents packed into each row, 0 for padding;
+    `loss_mask` is 1 for the tokens the dataset trains (a conversation's assistant turns; all of plain text). A
+    target trains when it continues the document of the token that predicts it and its mask is 1."""
     logits, aux = forward_with_aux(params, tokens[:, :-1], segment_ids[:, :-1])
-    counted = (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0)
     losses = runtime.cross_entropy(logits, tokens[:, 1:])
-    return losses, counted, aux
+    return losses, runtime.trained_targets(segment_ids, loss_mask), aux
 
 
-def loss_fn(params, tokens, segment_ids=None):
-    """Mean cross-entropy over the counted targets plus the auxiliary losses by their weights; returns (loss,
-    metrics). Without `segment_ids`, each row is one document."""
+def loss_fn(params, tokens, segment_ids=None, loss_mask=None):
+    """Mean cross-entropy over the trained targets plus the auxiliary losses by their weights; returns (loss,
+    metrics). Without `segment_ids`, each row is one document; without `loss_mask`, every target trains."""
     segment_ids = jnp.ones_like(tokens) if segment_ids is None else segment_ids
-    losses, counted, aux = target_losses(params, tokens, segment_ids)
-    cross_entropy = jnp.sum(losses * counted) / jnp.maximum(counted.sum(), 1)
+    loss_mask = jnp.ones_like(tokens) if loss_mask is None else loss_mask
+    losses, trained, aux = target_losses(params, tokens, segment_ids, loss_mask)
+    cross_entropy = jnp.sum(losses * trained) / jnp.maximum(trained.sum(), 1)
     loss = cross_entropy + sum(weight * aux[name] for name, weight in AUX_LOSS_WEIGHTS.items())
     return loss, {"cross_entropy": cross_entropy, **aux}
 
 
-def eval_sums(params, tokens, segment_ids):
-    """The summed cross-entropy of a batch's counted targets and their number: no gradients, no auxiliary losses."""
-    losses, counted, _ = target_losses(params, tokens, segment_ids)
-    return {"loss_sum": jnp.sum(losses * counted), "targets": counted.sum()}
+def eval_sums(params, tokens, segment_ids, loss_mask):
+    """The summed cross-entropy of a batch's trained targets and their number: no gradients, no auxiliary losses."""
+    losses, trained, _ = target_losses(params, tokens, segment_ids, loss_mask)
+    return {"loss_sum": jnp.sum(losses * trained), "targets": trained.sum()}
 
 
-def eval_step(params, tokens, segment_ids):
+def eval_step(params, tokens, segment_ids, loss_mask):
     """eval_sums over the batch in the train step's GRAD_ACCUM_STEPS microbatches, so it fits where that fits."""
-    return runtime.summed_over_microbatches(eval_sums, params, (tokens, segment_ids), GRAD_ACCUM_STEPS)
+    batch = (tokens, segment_ids, loss_mask)
+    return runtime.summed_over_microbatches(eval_sums, params, batch, GRAD_ACCUM_STEPS)
 
 
 # Linear warmup to the peak rate, cosine decay to min_lr_ratio of it at the last step.
@@ -506,15 +507,17 @@ def make_optimizer():
 OPTIMIZER = make_optimizer()
 
 
-def train_step(state, tokens, segment_ids=None):
-    """One optimizer step on a [batch, seq + 1] token window and its segment ids; returns the new state and metrics.
-    Gradients add up over GRAD_ACCUM_STEPS microbatches; a step whose loss or gradient norm is not finite changes
-    nothing and is flagged `skipped`."""
+def train_step(state, tokens, segment_ids=None, loss_mask=None):
+    """One optimizer step on a [batch, seq + 1] token window, its segment ids and loss mask; returns the new state
+    and metrics, with the number of targets it trained. Gradients add up over GRAD_ACCUM_STEPS microbatches; a step
+    whose loss or gradient norm is not finite changes nothing and is flagged `skipped`."""
     segment_ids = jnp.ones_like(tokens) if segment_ids is None else segment_ids
-    batch = (tokens, segment_ids)
+    loss_mask = jnp.ones_like(tokens) if loss_mask is None else loss_mask
+    batch = (tokens, segment_ids, loss_mask)
     (loss, metrics), grads = runtime.gradients(
         loss_fn, state["params"], batch, GRAD_ACCUM_STEPS, PARAMS, LOGICAL_AXIS_RULES
     )
+    metrics = {**metrics, "targets": runtime.trained_targets(segment_ids, loss_mask).sum()}
     return runtime.apply_gradients(OPTIMIZER, LEARNING_RATE, state, grads, loss, metrics, PARAMS)
 
 
