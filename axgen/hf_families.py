@@ -141,7 +141,8 @@ class FusedExperts(Mapping):
         pattern = re.compile(
             rf"(model\.layers\.\d+)\.{re.escape(layout.module)}\.(?:experts\.(\d+)\.(\w+)\.weight|gate\.weight)"
         )
-        self.names: dict[str, str] = {}  # fused or unchanged name -> the checkpoint's name
+        # Each name -> the checkpoint's tensor of that name, or (layer, projections) a fused tensor stacks.
+        self.names: dict[str, str | tuple[str, tuple[str, ...]]] = {}
         for name in checkpoint:
             match = pattern.fullmatch(name)
             if match is None:
@@ -157,18 +158,16 @@ class FusedExperts(Mapping):
                     f"{source}: holds {name!r}, but the spec has {num_experts} experts (0 to {num_experts - 1})"
                 )
             else:
-                fused = "gate_up_proj" if projection in (layout.gate, layout.up) else "down_proj"
-                self.names[f"{layer}.mlp.experts.{fused}"] = layer
+                if projection == layout.down:
+                    self.names[f"{layer}.mlp.experts.down_proj"] = (layer, (layout.down,))
+                else:
+                    self.names[f"{layer}.mlp.experts.gate_up_proj"] = (layer, (layout.gate, layout.up))
 
     def __getitem__(self, name: str) -> np.ndarray:
         stored = self.names[name]
-        match = _FUSED.fullmatch(name)
-        if match is None or match.group(2) == "gate.weight":
+        if isinstance(stored, str):
             return self.checkpoint[stored]
-        layer, what = match.groups()
-        projections = (
-            (self.layout.down,) if what == "experts.down_proj" else (self.layout.gate, self.layout.up)
-        )
+        layer, projections = stored
         shape = self.shapes.get(name)
         stacked = None
         for e in range(self.num_experts):
