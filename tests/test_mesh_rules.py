@@ -19,6 +19,7 @@ from axgen.spec import MeshRule, Remat
 from tests.conftest import ROOT
 from axgen.runtime.program import Program
 from axgen.runtime.run import parse_args
+from axgen.runtime.training import BatchSplitError, accumulation_steps
 
 TINY = ROOT / "specs/llama_tiny.py"
 
@@ -190,7 +191,7 @@ def test_gradient_accumulation_equals_the_one_pass_step(tmp_path, features):
     rule = 'MeshRule(r"cpu-1", {}, why="four passes of four sequences", microbatch=4)'
     accumulated = program_for(tmp_path, tiny_with(tmp_path, "accumulated", rule, features), "cpu-1")
     one_pass = program_for(tmp_path, tiny_with(tmp_path, "one_pass", "", features), "cpu-1")
-    assert accumulated.GRAD_ACCUM_STEPS == 4 and one_pass.GRAD_ACCUM_STEPS == 1
+    assert accumulated.MICROBATCH == 4 and one_pass.MICROBATCH == 16
 
     tokens = jax.random.randint(jax.random.key(3), (16, 129), 0, 256)
     params, metrics = one_step(accumulated, tokens)
@@ -214,7 +215,23 @@ def test_a_batch_that_does_not_split_into_the_microbatches_is_refused(tmp_path, 
     )
     with pytest.raises(SystemExit):
         parse_args(Program.from_module(program), ["--data", "d", "--run-dir", "c", "--batch", "6"])
-    assert "--batch 6 does not split into GRAD_ACCUM_STEPS=4 microbatches" in capsys.readouterr().err
+    assert capsys.readouterr().err.endswith(
+        "error: --batch 6: its 6 sequences per device do not split into passes of MICROBATCH=4; use a multiple of "
+        "4 sequences\n"
+    )
+
+
+def test_a_larger_batch_keeps_the_rules_pass_and_takes_more_of_them():
+    """llama2-7b on tpu-v5e-256: the rule's one sequence per chip per pass, 4 passes at the spec's 1024; --batch 512
+    takes 2 passes of the same size, not 4 of half a sequence."""
+    program = Program.from_module(load_program(ROOT / "generated/llama2_7b/tpu_v5e_256.py"))
+    assert program.microbatch == 1 and program.config["global_batch"] == 1024
+    assert [program.accumulation_steps(batch) for batch in (2048, 1024, 512, 256)] == [8, 4, 2, 1]
+    with pytest.raises(
+        BatchSplitError, match="its 3 sequences per device do not split into passes of MICROBATCH=2"
+    ):
+        accumulation_steps(3 * 256, 2, program.logical_axis_rules, program.mesh_shape)
+    assert parse_args(program, ["--data", "d", "--run-dir", "c", "--batch", "512"]).batch == 512
 
 
 def tiny_program_with(tmp_path, features: str, target: str, scale: float | None = None):

@@ -56,7 +56,7 @@ def test_plan_drops_what_does_not_fit_ranks_the_rest_and_writes_the_winner(tmp_p
     )
     plan = plan_for(written, "gpu-h100-1")
     assert (plan.microbatch, plan.grad_accum_steps, plan.remat.policy) == (32, 4, "none")
-    assert "GRAD_ACCUM_STEPS = 4" in build(spec, "gpu-h100-1").source
+    assert "MICROBATCH = 32" in build(spec, "gpu-h100-1").source
 
 
 def test_a_second_plan_replaces_the_rule_the_first_wrote_and_derived_specs_keep_their_bases_rules(tmp_path):

@@ -42,7 +42,7 @@ def test_a_program_of_another_axgen_is_refused_in_one_line(tmp_path):
 def test_evaluation_runs_in_the_train_steps_microbatches_and_fits_where_one_pass_would_not(
     tmp_path, monkeypatch
 ):
-    """eval_step sums the cross-entropy over GRAD_ACCUM_STEPS microbatches: the loss of one pass over the batch,
+    """eval_step sums the cross-entropy over passes of MICROBATCH sequences: the loss of one pass over the batch,
     at a fraction of its peak, so a device budget that one pass exceeds still evaluates; run's fit check compiles
     the eval step too and names it when it does not fit."""
     import jax
@@ -62,8 +62,8 @@ def test_evaluation_runs_in_the_train_steps_microbatches_and_fits_where_one_pass
     )
     write_atomically(tmp_path / "program.py", build(spec, "cpu-1").source)
     module = load_program(tmp_path / "program.py")
-    assert module.GRAD_ACCUM_STEPS == 8
     program = Program.from_module(module)
+    assert module.MICROBATCH == 4 and program.accumulation_steps(32) == 8
     mesh = program.make_mesh(jax.devices()[:1])
     params = jax.jit(program.init_params)(jax.random.key(0))
     tokens = np.random.default_rng(0).integers(1, 512, (32, 129)).astype(np.int32)

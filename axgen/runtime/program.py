@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P
 import axgen
 from axgen.runtime import checkpoints, memory
 from axgen.runtime.sharding import logical_to_mesh, param_shardings
+from axgen.runtime.training import accumulation_steps
 
 
 class IncompatibleProgram(RuntimeError):
@@ -38,7 +39,7 @@ class Program:
     compiler_flags: dict  # COMPILER_FLAGS: environment variable -> flags set before jax starts
     memory_fraction: float | None  # MEMORY_FRACTION: of each device's memory for jax's allocator
     peak_flops_per_device: float  # PEAK_FLOPS_PER_DEVICE: for MFU
-    grad_accum_steps: int  # GRAD_ACCUM_STEPS: microbatches a batch splits into
+    microbatch: int  # MICROBATCH: sequences per device per forward and backward pass
     logged_metrics: tuple  # LOGGED_METRICS: metrics the progress line shows besides the loss
     optimizer: object  # OPTIMIZER: the optax transformation of the train step
     init_params: types.FunctionType
@@ -126,6 +127,11 @@ class Program:
         """Token windows and their segment ids [batch, seq + 1]: rows split as the rules table splits `batch`."""
         spec = logical_to_mesh(self.logical_axis_rules, ("batch", "seq"), (global_batch, 1), mesh.shape)
         return NamedSharding(mesh, spec)
+
+    def accumulation_steps(self, global_batch) -> int:
+        """Forward and backward passes of MICROBATCH sequences per device a step of this batch takes on the
+        program's mesh; BatchSplitError when it does not split into them."""
+        return accumulation_steps(global_batch, self.microbatch, self.logical_axis_rules, self.mesh_shape)
 
     def batch_shape(self, mesh, global_batch):
         """The abstract token windows (and their segment ids and loss masks) of a global batch."""

@@ -20,6 +20,7 @@ from axgen.runtime.dataset import (
 from axgen.runtime.faults import NonFiniteGuard, RunDirError, StopSignals, lock_run_dir, make_run_dir
 from axgen.runtime.metrics import MetricsLog, Progress
 from axgen.runtime.program import IncompatibleProgram, Program
+from axgen.runtime.training import BatchSplitError
 
 
 def main(module, argv=None) -> int:
@@ -74,7 +75,9 @@ def train(program: Program, args, train_data, eval_data, eval_batches, began, cr
         start, restored = int(state["step"]), time.perf_counter()
         sharding = program.batch_sharding(mesh, args.batch)
         print(
-            f"{config['model']} on {jax.device_count()} devices, mesh {program.mesh_shape}: {origin} (start-up"
+            f"{config['model']} on {jax.device_count()} devices, mesh {program.mesh_shape}, batch {args.batch} in"
+            f" {program.accumulation_steps(args.batch)} pass(es) of {program.microbatch} sequence(s) per device:"
+            f" {origin} (start-up"
             f" {started - began:.1f}s, compile {compiled - started:.1f}s, restore {restored - compiled:.1f}s)",
             flush=True,
         )
@@ -321,8 +324,8 @@ def parse_args(program: Program, argv, description=None):
         help="let attention and positions run across the documents packed into a sequence",
     )
     args = parser.parse_args(argv)
-    if args.batch % program.grad_accum_steps:
-        parser.error(
-            f"--batch {args.batch} does not split into GRAD_ACCUM_STEPS={program.grad_accum_steps} microbatches"
-        )
+    try:
+        program.accumulation_steps(args.batch)
+    except BatchSplitError as err:
+        parser.error(f"--batch {args.batch}: {err}")
     return args

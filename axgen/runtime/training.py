@@ -1,19 +1,50 @@
 """The parts of a train step every program shares: gradients over microbatches, and an optimizer update that
 leaves statistics untrained and skips a non-finite step."""
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
 
 from axgen.runtime.params import is_param_spec
-from axgen.runtime.sharding import constrain
+from axgen.runtime.sharding import constrain, logical_to_mesh
 
 
-def gradients(loss_fn, params, batch, accum_steps: int, specs, rules: dict):
-    """((loss, metrics), grads) of `loss_fn(params, *batch)` over the whole batch. With accum_steps > 1 they are
-    summed over that many microbatches that lax.scan runs one after another, so only one microbatch's activations
-    are alive at a time. Row i goes to microbatch i % accum_steps: every microbatch takes rows from every device,
-    and no tokens move."""
+class BatchSplitError(ValueError):
+    """A global batch that does not split into passes of the program's MICROBATCH sequences per device."""
+
+
+def accumulation_steps(rows: int, microbatch: int, rules: dict, mesh_shape: dict) -> int:
+    """How many forward and backward passes a batch of `rows` sequences takes at `microbatch` sequences per device
+    per pass (at most: a batch smaller than one pass is one smaller pass), its rows split over the mesh axes the
+    rules give `batch` (one device outside a mesh)."""
+    spec = logical_to_mesh(rules, ("batch", "seq"), (rows, 1), mesh_shape)[0] if mesh_shape else None
+    axes = () if spec is None else (spec,) if isinstance(spec, str) else spec
+    per_device = rows // math.prod(mesh_shape[axis] for axis in axes)
+    if per_device <= microbatch:
+        return 1
+    if per_device % microbatch:
+        raise BatchSplitError(
+            f"its {per_device} sequences per device do not split into passes of MICROBATCH={microbatch}; use a "
+            f"multiple of {rows // per_device * microbatch} sequences"
+        )
+    return per_device // microbatch
+
+
+def _accumulation_steps(batch, microbatch: int, rules: dict) -> int:
+    """accumulation_steps of a traced batch, under the mesh the step is compiled for."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return accumulation_steps(batch[0].shape[0], microbatch, rules, {} if mesh.empty else dict(mesh.shape))
+
+
+def gradients(loss_fn, params, batch, microbatch: int, specs, rules: dict):
+    """((loss, metrics), grads) of `loss_fn(params, *batch)` over the whole batch, in passes of `microbatch`
+    sequences per device: with more rows than one pass takes, they are summed over the passes, which lax.scan runs
+    one after another, so only one pass's activations are alive at a time. Row i goes to pass i % passes: every
+    pass takes rows from every device, and no tokens move. The number of passes follows from the batch (`--batch`),
+    so a larger batch keeps the pass the spec's rule sized and takes more of them."""
+    accum_steps = _accumulation_steps(batch, microbatch, rules)
     if accum_steps == 1:
         return jax.value_and_grad(loss_fn, has_aux=True)(params, *batch)
     microbatches = _microbatches(batch, accum_steps)
@@ -44,10 +75,11 @@ def gradients(loss_fn, params, batch, accum_steps: int, specs, rules: dict):
     return totals
 
 
-def summed_over_microbatches(sums_fn, params, batch, accum_steps: int):
-    """`sums_fn(params, *batch)`, a tree of sums, over the whole batch in `accum_steps` microbatches that lax.scan
-    runs one after another, split as `gradients` splits them: an evaluation holds one microbatch's activations and
-    logits at a time, as the train step does, and fits wherever it fits."""
+def summed_over_microbatches(sums_fn, params, batch, microbatch: int, rules: dict):
+    """`sums_fn(params, *batch)`, a tree of sums, over the whole batch in passes of `microbatch` sequences per
+    device that lax.scan runs one after another, split as `gradients` splits them: an evaluation holds one pass's
+    activations and logits at a time, as the train step does, and fits wherever it fits."""
+    accum_steps = _accumulation_steps(batch, microbatch, rules)
     if accum_steps == 1:
         return sums_fn(params, *batch)
     microbatches = _microbatches(batch, accum_steps)
