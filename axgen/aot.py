@@ -249,9 +249,13 @@ def _devices(plan: Plan) -> tuple[list, str]:
     count = f"{plan.num_devices} x {plan.chip.name}"
     if plan.platform == "tpu":
         slices = {"num_slices": plan.num_slices} if plan.num_slices > 1 else {}
-        topology = topologies.get_topology_desc(topology_name=plan.topology, platform="tpu", **slices)
+        topology = topologies.get_topology_desc(
+            topology_name=plan.topology, platform="tpu", wrap=plan.topology_wrap, **slices
+        )
         where = f"{plan.num_slices} slices of " if plan.num_slices > 1 else ""
-        return topology.devices, f"{count} (libtpu topology {where}{plan.topology})"
+        rings = [axis for axis, wraps in zip("xyz", plan.topology_wrap) if wraps]
+        wired = f", wraparound in {' '.join(rings)}" if rings else ""
+        return topology.devices, f"{count} (libtpu topology {where}{plan.topology}{wired})"
     if plan.platform == "cuda":
         topology = topologies.get_topology_desc(
             platform="cuda", target_config=gpu.target_config(), topology=plan.topology

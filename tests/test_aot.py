@@ -204,3 +204,36 @@ def test_bad_aot_requests_are_one_line(capsys, args):
     assert axgen(["aot", *spec, *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("axgen: error: ") and len(err.splitlines()) == 1
+
+
+# Slices as MaxText's accelerator_to_spec_map gives them to libtpu (its names count v5p TensorCores: its v5p-128
+# is 64 chips): (axgen target, libtpu topology, wraparound per dimension).
+WIRING = [
+    ("tpu-v5p-32", "v5p:2x4x4", (False, False, False)),
+    ("tpu-v5p-64", "v5p:4x4x4", (True, True, True)),
+    ("tpu-v5p-256", "v5p:4x8x8", (True, True, True)),
+    ("tpu-v5e-64", "v5e:8x8", (False, False, False)),
+    ("tpu-v5e-128", "v5e:8x16", (False, True, False)),
+    ("tpu-v5e-256", "v5e:16x16", (True, True, False)),
+    ("tpu-v6e-256x2", "v6e:16x16", (True, True, False)),
+]
+
+
+@pytest.mark.parametrize(("target", "topology", "wrap"), WIRING, ids=[w[0] for w in WIRING])
+def test_a_slice_compiles_with_the_wraparound_links_its_chips_have(target, topology, wrap):
+    from axgen.backends import family_for
+    from axgen.loader import load_spec
+
+    family = family_for(load_spec(TINY), target)
+    per_slice, _ = family.parse(target)
+    assert (family.topology(per_slice), family.topology_wrap(family.topology(per_slice))) == (topology, wrap)
+
+
+def test_the_report_names_the_wraparound_links(tmp_path, capsys):
+    spec = tmp_path / "wide.py"
+    spec.write_text(
+        "from specs.llama_tiny import spec as tiny\n"
+        "spec = tiny.replace(train=tiny.train.replace(global_batch=64), targets=['tpu-v5p-64'])\n"
+    )
+    code, [report], _ = aot(capsys, str(spec), "--target", "tpu-v5p-64")
+    assert code == 0 and report["compiled_for"].endswith("(libtpu topology v5p:4x4x4, wraparound in x y z)")

@@ -93,6 +93,9 @@ class Family:
     quantize_dtype: str = "int8"  # what `quantize(dtype=None)` becomes
     # Devices per slice -> the topology `axgen aot` compiles for without the chips; None: fake CPU devices.
     topology: Callable[[int], str] | None = None
+    # Topology -> which of its dimensions close into a ring (wraparound links), as the chips are wired; None: the
+    # compiler's default.
+    topology_wrap: Callable[[str], tuple[bool, ...]] | None = None
     grouped_matmul: GroupedMatmul | None = None  # None: MoE experts use XLA's ragged_dot
     # The share of each device's memory the emitted program's allocator takes; None: the runtime's own (TPU and
     # CPU programs, whose compiler or host decides).
@@ -128,6 +131,7 @@ class Plan:
     flags_variable: str
     xla_flags: tuple[str, ...]
     topology: str | None  # for ahead-of-time compilation; None: fake CPU devices with this mesh
+    topology_wrap: tuple[bool, ...] | None  # which of the topology's dimensions wrap around
     remat: Remat | None  # the rule's or the backend's default, for blocks whose spec names no policy
     remat_source: str | None  # where that default was set, by file and name: what the program prints
     quantize_dtype: str  # what a quantized dot whose spec names no dtype becomes
@@ -193,6 +197,7 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
         flags_variable=family.flags_variable,
         xla_flags=family.xla_flags + rule.xla_flags,
         topology=family.topology(per_slice) if family.topology else None,
+        topology_wrap=family.topology_wrap(family.topology(per_slice)) if family.topology_wrap else None,
         remat=rule.remat or family.remat,
         remat_source=_remat_source(rule, family),
         quantize_dtype=rule.quantize_dtype or family.quantize_dtype,

@@ -120,6 +120,18 @@ def topology(generation: str, chips: int) -> str:
     return f"{generation}:{'x'.join(map(str, sides))}"
 
 
+def topology_wrap(topology: str) -> tuple[bool, bool, bool]:
+    """Which dimensions of a slice have wraparound links, as MaxText's accelerator_to_spec_map (and xpk) state them
+    for libtpu: a v4 or v5p slice is a full 3-D torus once every side is at least 4 (it is then made of whole
+    4x4x4 cubes, which the optical switches close into rings), a v5e or v6e side wraps at the pod's full 16 chips;
+    smaller slices are meshes. Compiled without them, XLA plans collectives for a mesh the chips do not form."""
+    generation, shape = topology.split(":")
+    sides = [int(side) for side in shape.split("x")]
+    if generation == "v5p":
+        return (min(sides) >= 4,) * 3
+    return (sides[0] == 16, sides[1] == 16, False)
+
+
 def family(generation: str) -> Family:
     return Family(
         name="tpu",
@@ -137,6 +149,7 @@ def family(generation: str) -> Family:
         xla_flags=V5E_FLAGS if generation == "v5e" else (),
         remat=REMAT[generation],
         topology=functools.partial(topology, generation),
+        topology_wrap=topology_wrap,
         grouped_matmul=GroupedMatmul("megablox_gmm", grouped_matmul_tiles),
     )
 
