@@ -15,7 +15,9 @@ the slowest of four resources at the chip's published peak rate, as if the other
 
 To keep the compiles few, memory decides the order. For each mesh and policy the largest microbatch that fits is
 searched from the top down (a smaller one only adds passes and weight gathers), and a policy is skipped where one
-that keeps no more already failed at that size or smaller. The splash block length is tried last, on the best few.
+that keeps no more already failed at that size or smaller. Each compile also bounds what smaller passes can need
+(`_least_peak`: temporaries shrink at most in proportion to the pass), so sizes that cannot fit are pruned, and
+said so, without compiling them. The splash block length is tried last, on the best few.
 """
 
 from __future__ import annotations
@@ -190,17 +192,42 @@ def estimate(plan: Plan, report: Report, kernel_flops: float) -> dict[str, float
 
 
 def _frontier(state: Search, spec: Model, plan: Plan, mesh: tuple, policy: str, block: int | None) -> None:
-    """The largest microbatch that fits on this mesh under this policy, skipping sizes that cannot fit: those at
-    or above one where a policy keeping no more on the device already did not."""
+    """The largest microbatch that fits on this mesh under this policy, largest first, skipping sizes that cannot
+    fit without compiling them: those at or above one where a policy keeping no more already did not, and those
+    whose least possible peak, learnt from the compiles so far, exceeds what the device has."""
     failed = state.out_of_memory.setdefault(mesh, [])
     for microbatch in _microbatches(spec, plan, mesh):
         if any(KEPT_ON_DEVICE[p] <= KEPT_ON_DEVICE[policy] and m <= microbatch for p, m in failed):
+            continue
+        least = _least_peak(state.outcomes, mesh, policy, microbatch)
+        if least is not None and least > plan.usable_bytes:
+            state.log(
+                f"pruned {Candidate(mesh, microbatch, policy).mesh_text()}, microbatch {microbatch}, {policy}: "
+                f"needs at least {least / GIB:.2f} GiB, more than {plan.usable_bytes / GIB:.1f} usable"
+            )
             continue
         outcome = state.compile(Candidate(mesh, microbatch, policy, block))
         if outcome is None or outcome.fits:
             return
         if outcome.report is not None:  # out of memory, not a failure of another kind
             failed.append((policy, microbatch))
+
+
+def _least_peak(outcomes: list[Outcome], mesh: tuple, policy: str, microbatch: int) -> int | None:
+    """The least peak bytes `microbatch` sequences per pass can need on this mesh under this policy, from compiles
+    of larger passes under policies that keep no more on the device. A pass's temporaries are a part that does not
+    depend on its size (gradients, gathered weights) plus activations in proportion to it, so at m' < m they are at
+    least temp(m) * m' / m; the rest of the peak (params, optimizer state) does not change."""
+    bounds = [
+        o.report.peak_bytes - o.report.temp_bytes * (1 - microbatch / o.candidate.microbatch)
+        for o in outcomes
+        if o.report is not None
+        and o.report.peak_bytes is not None
+        and o.candidate.mesh == mesh
+        and o.candidate.microbatch >= microbatch
+        and KEPT_ON_DEVICE[o.candidate.remat] <= KEPT_ON_DEVICE[policy]
+    ]
+    return int(max(bounds)) if bounds else None
 
 
 def _meshes(spec: Model, plan: Plan) -> list[tuple[tuple[str, int], ...]]:

@@ -42,21 +42,23 @@ def test_plan_drops_what_does_not_fit_ranks_the_rest_and_writes_the_winner(tmp_p
     code = axgen(["plan", str(spec), "--target", "gpu-h100-1", "--max-compiles", "3", "--write"])
     out = capsys.readouterr().out
     assert code == 0, out
-    # Keeping everything, 128 and 64 sequences per pass need 154 and 79 GiB: over the 75.2 GiB the program's
-    # allocator takes (95% of 79.1), though 79 GiB is under the H100's nameplate.
+    # Keeping everything, 128 sequences per pass need 154 GiB, over the 75.2 GiB the program's allocator takes (95%
+    # of 79.1). Half the pass keeps at least half the temporaries, 77.76 GiB, so 64 is pruned without a compile
+    # (compiled, it needed 78.65); 32 fits, and the third compile goes to the next policy.
     assert "[1/3] 1 device, microbatch 128, none: does not fit (154.00 GiB)" in out
-    assert "[2/3] 1 device, microbatch 64, none: does not fit (78.65 GiB)" in out
-    assert "1 fit 75.2 GiB usable per device; 2 did not:" in out
+    assert "pruned 1 device, microbatch 64, none: needs at least 77.76 GiB, more than 75.2 usable" in out
+    assert "[2/3] 1 device, microbatch 32, none: fits (41.58 GiB)" in out
+    assert "2 fit 75.2 GiB usable per device; 1 did not:" in out
     [row] = [line for line in out.splitlines() if line.startswith("   1  ")]
-    assert row.split()[1:5] == ["1", "device", "32", "none"]
+    assert row.split()[1:5] == ["1", "device", "128", "save_dots"]
 
     written = load_spec(spec)
     assert written.mesh_rules[0].pattern == "gpu-h100-1" and written.mesh_rules[0].why.startswith(
         "axgen plan"
     )
     plan = plan_for(written, "gpu-h100-1")
-    assert (plan.microbatch, plan.grad_accum_steps, plan.remat.policy) == (32, 4, "none")
-    assert "MICROBATCH = 32" in build(spec, "gpu-h100-1").source
+    assert (plan.microbatch, plan.grad_accum_steps, plan.remat.policy) == (128, 1, "save_dots")
+    assert "MICROBATCH = 128" in build(spec, "gpu-h100-1").source
 
 
 def test_a_second_plan_replaces_the_rule_the_first_wrote_and_derived_specs_keep_their_bases_rules(tmp_path):
@@ -87,7 +89,7 @@ def test_a_policy_is_not_compiled_where_one_keeping_no_more_already_did_not_fit(
         report = types.SimpleNamespace(fits=candidate.microbatch <= fits_at[candidate.remat])
         return types.SimpleNamespace(fits=report.fits, report=report)
 
-    state = types.SimpleNamespace(out_of_memory={}, compile=compile_candidate)
+    state = types.SimpleNamespace(out_of_memory={}, compile=compile_candidate, outcomes=[], log=print)
     spec = load_spec(ROOT / "specs/llama_tiny.py")
     plan = plan_for(spec, "cpu-1")  # 16 sequences on one device
     mesh = planning._full({"fsdp": 1}, 1)
@@ -101,6 +103,33 @@ def test_a_policy_is_not_compiled_where_one_keeping_no_more_already_did_not_fit(
     for policy in ("offload_dots", "full"):
         planning._frontier(state, spec, plan, mesh, policy, None)
     assert compiled == [("offload_dots", m) for m in (16, 8, 4, 2)] + full
+
+
+def test_a_pass_whose_least_possible_peak_is_over_the_budget_is_pruned_without_compiling():
+    """A compile at 16 sequences per pass whose temporaries are twice what the device has: at 8 they are at least
+    half of that, which with the rest of the peak is still over, so 8 is pruned and said so; 4 is compiled."""
+    spec = load_spec(ROOT / "specs/llama_tiny.py")
+    plan = plan_for(spec, "cpu-1")  # 16 sequences on one device
+    mesh, usable = planning._full({"fsdp": 1}, 1), plan.usable_bytes
+    compiled, logged = [], []
+
+    def compile_candidate(candidate):
+        compiled.append(candidate.microbatch)
+        temp = 2 * usable * candidate.microbatch // 16
+        report = types.SimpleNamespace(
+            peak_bytes=usable // 10 + temp, temp_bytes=temp, fits=usable // 10 + temp <= usable
+        )
+        outcome = planning.Outcome(candidate, report)
+        state.outcomes.append(outcome)
+        return outcome
+
+    state = types.SimpleNamespace(out_of_memory={}, compile=compile_candidate, outcomes=[], log=logged.append)
+    planning._frontier(state, spec, plan, mesh, "none", None)
+    assert compiled == [16, 4]
+    assert logged == [
+        f"pruned 1 device, microbatch 8, none: needs at least {1.1 * usable / 2**30:.2f} GiB, more "
+        f"than {usable / 2**30:.1f} usable"
+    ]
 
 
 def test_plan_inputs_are_one_line(capsys, tmp_path):
