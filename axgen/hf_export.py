@@ -127,6 +127,22 @@ def _qwen2_moe(spec: Model) -> dict:
     }
 
 
+def _qwen3_moe(spec: Model) -> dict:
+    moe = spec.feature("moe")
+    if moe.shared_hidden_dim or moe.capacity_factor is not None:
+        raise CheckpointError(f"{moe.origin}: Qwen3-MoE in HF has no shared expert and routes dropless")
+    return {
+        "use_sliding_window": False,
+        "moe_intermediate_size": spec.decoder.mlp.hidden_dim,
+        "num_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "norm_topk_prob": moe.renormalize,
+        "decoder_sparse_step": moe.every,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": moe.aux_loss_weight or 0.0,
+    }
+
+
 def _gemma2(spec: Model) -> dict:
     window, cap = spec.feature("sliding_window"), spec.feature("softcap")
     if window is None or window.global_every != 2:
@@ -163,6 +179,7 @@ FAMILY_KEYS = {
     "qwen2": _qwen2,
     "qwen3": _qwen2,
     "qwen2_moe": _qwen2_moe,
+    "qwen3_moe": _qwen3_moe,
     "gemma2": _gemma2,
 }
 

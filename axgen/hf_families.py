@@ -27,6 +27,7 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
 }
 # The features each family's HF model computes; remat and quantize shape training only, not the weights' meaning.
@@ -38,6 +39,7 @@ FAMILY_FEATURES = {
     "qwen2": {"rope", "qkv_bias"},
     "qwen3": {"rope", "qk_norm"},
     "qwen2_moe": {"rope", "qkv_bias", "moe"},
+    "qwen3_moe": {"rope", "qk_norm", "moe"},
     "gemma2": {"rope", "gemma_block", "sliding_window", "softcap"},
 }
 # The families whose HF attention takes a softmax scale other than head_dim**-0.5 (`query_pre_attn_scalar`).
@@ -73,6 +75,8 @@ def family(spec: Model) -> str:
 
 
 def _moe_family(spec: Model) -> str:
+    if spec.feature("qk_norm"):
+        return "qwen3_moe"
     return "qwen2_moe" if spec.feature("moe").shared_hidden_dim else "mixtral"
 
 
@@ -96,6 +100,7 @@ class ExpertLayout:
 EXPERT_LAYOUTS = {
     "mixtral": ExpertLayout("block_sparse_moe", gate="w1", up="w3", down="w2"),
     "qwen2_moe": ExpertLayout("mlp", gate="gate_proj", up="up_proj", down="down_proj"),
+    "qwen3_moe": ExpertLayout("mlp", gate="gate_proj", up="up_proj", down="down_proj"),
 }
 _FUSED = re.compile(r"(model\.layers\.\d+)\.mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)")
 

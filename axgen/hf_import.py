@@ -101,6 +101,16 @@ DEFAULTS: dict[str, dict] = {
         "mlp_only_layers": [],
         "router_aux_loss_coef": 0.001,
     },
+    "qwen3_moe": _LLAMA
+    | {
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
+        "decoder_sparse_step": 1,
+        "norm_topk_prob": False,
+        "mlp_only_layers": [],
+        "router_aux_loss_coef": 0.001,
+    },
     "gemma2": _LLAMA
     | {
         "hidden_activation": "gelu_pytorch_tanh",
@@ -444,9 +454,7 @@ def qwen3(c: Config) -> SpecSource:
 
 def qwen2_moe(c: Config) -> SpecSource:
     source = qwen2(c)
-    c.expect("mlp_only_layers", ([],), "keeps dense MLPs in chosen layers, which axgen's import does not map")
-    source.mlp = f'MLP(hidden_dim={_number(c["moe_intermediate_size"])}, activation="swiglu")'
-    c.read.add("intermediate_size")  # the dense MLP width, which no layer uses when every layer is sparse
+    source.mlp = _expert_mlp(c)
     source.features.append(
         f'F.moe(num_experts={c["num_experts"]}, top_k={c["num_experts_per_tok"]}, '
         f'renormalize={c["norm_topk_prob"]!r}, every={c["decoder_sparse_step"]}, '
@@ -454,6 +462,35 @@ def qwen2_moe(c: Config) -> SpecSource:
         f'aux_loss_weight={c["router_aux_loss_coef"]!r}, router_z_loss_weight=0.0)'
     )
     return source
+
+
+def qwen3_moe(c: Config) -> SpecSource:
+    """Qwen3's attention (q/k norms, no biases) with Qwen2-MoE's routing and no shared expert."""
+    source = qwen3(c)
+    source.mlp = _expert_mlp(c)
+    # The published configs say num_experts; transformers 5 saves the same number as num_local_experts.
+    experts = c["num_local_experts" if "num_local_experts" in c.values else "num_experts"]
+    source.features.append(
+        f'F.moe(num_experts={experts}, top_k={c["num_experts_per_tok"]}, '
+        f'renormalize={c["norm_topk_prob"]!r}, every={c["decoder_sparse_step"]}, '
+        f'aux_loss_weight={c["router_aux_loss_coef"]!r}, router_z_loss_weight=0.0)'
+    )
+    return source
+
+
+def _expert_mlp(c: Config) -> str:
+    """The experts' MLP, which is also the dense layers' in axgen: Qwen's dense layers (`mlp_only_layers`, and
+    those between every `decoder_sparse_step`-th) are `intermediate_size` wide, so they can exist only when that
+    width is the experts' own."""
+    c.expect("mlp_only_layers", ([],), "keeps dense MLPs in chosen layers, which axgen's import does not map")
+    width, experts_width = c["intermediate_size"], c["moe_intermediate_size"]
+    if c["decoder_sparse_step"] != 1 and width != experts_width:
+        raise HFImportError(
+            f"{c.path}: decoder_sparse_step={c['decoder_sparse_step']!r} keeps dense layers of "
+            f"intermediate_size={width}, but axgen's dense layers are the experts' width "
+            f"(moe_intermediate_size={experts_width})"
+        )
+    return f'MLP(hidden_dim={_number(experts_width)}, activation="swiglu")'
 
 
 def gemma2(c: Config) -> SpecSource:
@@ -488,6 +525,7 @@ FAMILIES: dict[str, Callable[[Config], SpecSource]] = {
     "qwen2": qwen2,
     "qwen3": qwen3,
     "qwen2_moe": qwen2_moe,
+    "qwen3_moe": qwen3_moe,
     "gemma2": gemma2,
 }
 

@@ -32,8 +32,9 @@ FAMILIES = [
     "hf_mistral_window",
     "hf_gemma2",
     "hf_qwen2_moe",
+    "hf_qwen3_moe",
 ]
-MOE = ["hf_mixtral", "hf_qwen2_moe"]
+MOE = ["hf_mixtral", "hf_qwen2_moe", "hf_qwen3_moe"]
 # (fixture, expert layout): the Hub's one tensor per expert, as save_pretrained writes it (<name>_hub.npz), and
 # transformers 5's fused tensors, as its models hold them (<name>.npz).
 LAYOUTS = [(name, None) for name in FAMILIES if name not in MOE] + [
@@ -153,6 +154,8 @@ BUNDLED = [
     "qwen2_7b",
     "qwen3_8b",
     "qwen2_moe_a2_7b",
+    "qwen3_30b_a3b",
+    "qwen3_235b_a22b",
     "gemma2_9b",
 ]
 

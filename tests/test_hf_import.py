@@ -29,6 +29,8 @@ PUBLISHED = {
     "qwen2-7b-instruct": (7_615_616_512, "qwen2_7b"),
     "qwen3-8b": (8_190_735_360, "qwen3_8b"),
     "qwen1.5-moe-a2.7b": (14_315_784_192, "qwen2_moe_a2_7b"),
+    # The card says 30.5B; this is transformers 5.23's count of the config (tests/fixtures/count_hf_params.py).
+    "qwen3-30b-a3b": (30_532_122_624, "qwen3_30b_a3b"),
     # The June 2024 revision, whose query_pre_attn_scalar (224) is not head_dim: the bundled spec scales by 256**-0.5.
     "gemma-2-9b-it": (9_241_705_984, None),
 }
@@ -70,6 +72,17 @@ def test_each_published_config_gives_the_hf_models_parameter_count(model, tmp_pa
         assert [f.pass_name for f in spec.features] == [f.pass_name for f in bundled.features]
         assert spec.feature("rope") == bundled.feature("rope")
     lowered(spec, "cpu-8")  # builds for its target as written
+
+
+# Bundled specs whose published config is not in the corpus: transformers 5.23's parameter count of a
+# Qwen3MoeConfig made from the numbers of Qwen/Qwen3-235B-A22B's config.json (94 layers, hidden 4096, 64 heads,
+# 4 kv heads, head_dim 128, 128 experts of 1536, top-8, vocab 151936, untied), on torch's meta device.
+BUNDLED = {"qwen3_235b_a22b": 235_093_634_560}
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+def test_a_bundled_spec_has_transformers_parameter_count(name):
+    assert num_params(load_spec(ROOT / "specs" / f"{name}.py")) == BUNDLED[name]
 
 
 def as_transformers_5(config: dict) -> dict:
@@ -128,6 +141,31 @@ def test_a_key_axgen_cannot_honour_stops_the_import_naming_it(key, value, messag
     assert output == f"axgen: error: {tmp_path / 'config.json'}: {message}" + output.split(message, 1)[1]
     assert output.count("\n") == 1
     assert not (tmp_path / "specs").exists(), "nothing is written"
+
+
+QWEN_MOE_BAD = [
+    (
+        "mlp_only_layers",
+        [0, 4],
+        "mlp_only_layers=[0, 4] keeps dense MLPs in chosen layers, which axgen's import does not map",
+    ),
+    (
+        "decoder_sparse_step",
+        2,
+        "decoder_sparse_step=2 keeps dense layers of intermediate_size=6144, but axgen's dense layers are the "
+        "experts' width (moe_intermediate_size=768)",
+    ),
+    ("norm_topk_prob", "yes", 'norm_topk_prob="yes" is not true or false'),
+]
+
+
+@pytest.mark.parametrize(("key", "value", "message"), QWEN_MOE_BAD, ids=[b[0] for b in QWEN_MOE_BAD])
+def test_a_qwen3_moe_layout_axgen_cannot_build_stops_the_import(key, value, message, tmp_path, capsys):
+    config = json.loads((CONFIGS / "qwen3-30b-a3b.json").read_text()) | {key: value}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code, output = import_spec(capsys, tmp_path / "config.json", tmp_path / "specs/out.py")
+    assert (code, output) == (2, f"axgen: error: {tmp_path / 'config.json'}: {message}\n")
+    assert not (tmp_path / "specs").exists()
 
 
 def test_a_config_nested_too_deeply_is_named(tmp_path, capsys):
