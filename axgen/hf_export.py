@@ -64,22 +64,41 @@ def hf_config(spec: Model, dtype: str) -> dict:
 
 
 def _max_position(spec: Model) -> int:
-    """The longest sequence the model was meant for: what it trains on, or what its RoPE scaling stretches to."""
+    """The longest sequence the model was meant for: what it trains on, or what its RoPE scaling stretches to
+    (linear scaling states no original length: what it trains on)."""
     trained = spec.train.seq_len if spec.train else 4096
     scaling = spec.feature("rope").scaling
-    return max(trained, int(scaling.original_max_position * scaling.factor)) if scaling else trained
+    if scaling is None or scaling.rule == "linear":
+        return trained
+    return max(trained, int(scaling.original_max_position * scaling.factor))
 
 
 def _rope_scaling(scaling) -> dict | None:
     if scaling is None:
         return None
-    return {
+    return ROPE_SCALINGS[scaling.rule](scaling)
+
+
+ROPE_SCALINGS = {
+    "llama3": lambda scaling: {
         "rope_type": "llama3",
         "factor": scaling.factor,
         "low_freq_factor": scaling.low_freq_factor,
         "high_freq_factor": scaling.high_freq_factor,
         "original_max_position_embeddings": scaling.original_max_position,
-    }
+    },
+    "linear": lambda scaling: {"rope_type": "linear", "factor": scaling.factor},
+    # Every value stated, the attention factor too, so that transformers' defaults decide nothing.
+    "yarn": lambda scaling: {
+        "rope_type": "yarn",
+        "factor": scaling.factor,
+        "beta_fast": scaling.beta_fast,
+        "beta_slow": scaling.beta_slow,
+        "original_max_position_embeddings": scaling.original_max_position,
+        "attention_factor": scaling.attention_factor,
+        "truncate": scaling.truncate,
+    },
+}
 
 
 def _mistral(spec: Model) -> dict:

@@ -139,6 +139,7 @@ KINDS: dict[str, tuple[Callable[[object], bool], str]] = {
         "a finite number > 0, or null",
     ),
     "number >= 0": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
+    "number >= 0 or null": (lambda v: v is None or (_finite(v) and v >= 0), "a finite number >= 0, or null"),
     "boolean": (lambda v: type(v) is bool, "true or false"),
     "boolean or null": (lambda v: v is None or type(v) is bool, "true, false or null"),
 }
@@ -315,31 +316,92 @@ def _decoder(c: Config, activation: str = "swiglu") -> SpecSource:
 def _rope(c: Config) -> str:
     """F.rope from `rope_parameters` (transformers 5) or `rope_theta` and `rope_scaling` (4.x)."""
     if "rope_parameters" in c.values:
-        parameters = _rope_dict(c, "rope_parameters")
-        theta = _rope_value(c, "rope_parameters", parameters, "rope_theta", "positive number")
+        key, parameters = "rope_parameters", _rope_dict(c, "rope_parameters")
+        theta = _rope_value(c, key, parameters, "rope_theta", "positive number")
     else:
-        theta, parameters = c["rope_theta"], _rope_dict(c, "rope_scaling")
+        key, theta, parameters = "rope_scaling", c["rope_theta"], _rope_dict(c, "rope_scaling")
+    scaling = _rope_scaling(c, key, parameters)
+    return f"F.rope(theta={_number(float(theta))}{f', scaling={scaling}' if scaling else ''})"
+
+
+def _rope_scaling(c: Config, key: str, parameters: dict) -> str | None:
+    """The `scaling=` of F.rope from a config's RoPE parameters (theta already taken out), None for plain RoPE;
+    every parameter must be read."""
     kind = parameters.pop("rope_type", parameters.pop("type", "default"))
     if kind == "default" and not parameters:
-        return f"F.rope(theta={_number(float(theta))})"
-    if kind != "llama3":
-        raise HFImportError(f"{c.path}: rope type {kind!r} is not one axgen implements (default, llama3)")
-    key = "rope_parameters" if "rope_parameters" in c.values else "rope_scaling"
+        return None
+    if kind not in ROPE_SCALINGS:
+        raise HFImportError(
+            f"{c.path}: {key}.rope_type={_shown(kind)} is not one axgen implements "
+            f"(default, {', '.join(ROPE_SCALINGS)})"
+        )
+    scaling = ROPE_SCALINGS[kind](c, key, parameters)
+    if parameters:
+        name, value = next(iter(parameters.items()))
+        raise HFImportError(
+            f"{c.path}: {key}.{name}={_shown(value)} is not a parameter axgen's {kind} scaling reads"
+        )
+    return scaling
+
+
+def _llama3_scaling(c: Config, key: str, parameters: dict) -> str:
     factor, low, high = (
         float(_rope_value(c, key, parameters, name, "positive number"))
         for name in ("factor", "low_freq_factor", "high_freq_factor")
     )
     original = _rope_value(c, key, parameters, "original_max_position_embeddings", "positive int")
-    scaling = (
+    return (
         f"F.rope_scaling(factor={factor!r}, low_freq_factor={low!r}, high_freq_factor={high!r}, "
         f"original_max_position={original})"
     )
-    if parameters:
-        name, value = next(iter(parameters.items()))
-        raise HFImportError(
-            f"{c.path}: {key}.{name}={_shown(value)} is not a parameter axgen's llama3 scaling reads"
+
+
+def _linear_scaling(c: Config, key: str, parameters: dict) -> str:
+    return f"F.rope_linear(factor={float(_rope_value(c, key, parameters, 'factor', 'positive number'))!r})"
+
+
+def _yarn_scaling(c: Config, key: str, parameters: dict) -> str:
+    """YaRN with every value transformers' `_compute_yarn_parameters` takes stated: beta_fast 32 and beta_slow 1
+    where missing (or 0, which it reads as missing), truncate true, and the attention factor from `factor`,
+    `mscale` and `mscale_all_dim` where the config does not give it."""
+    factor = float(_rope_value(c, key, parameters, "factor", "positive number"))
+    original = _rope_value(c, key, parameters, "original_max_position_embeddings", "positive int")
+    optional = {
+        name: _rope_value(c, key, parameters, name, kind) if name in parameters else None
+        for name, kind in (
+            ("beta_fast", "positive number or null"),
+            ("beta_slow", "positive number or null"),
+            ("attention_factor", "positive number or null"),
+            ("mscale", "number >= 0 or null"),
+            ("mscale_all_dim", "number >= 0 or null"),
+            ("truncate", "boolean"),
         )
-    return f"F.rope(theta={_number(float(theta))}, scaling={scaling})"
+    }
+    attention_factor = optional["attention_factor"]
+    if attention_factor is None:
+        mscale, mscale_all_dim = optional["mscale"], optional["mscale_all_dim"]
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor, 1)
+    truncate = True if optional["truncate"] is None else optional["truncate"]
+    return (
+        f"F.rope_yarn(factor={factor!r}, beta_fast={float(optional['beta_fast'] or 32)!r}, "
+        f"beta_slow={float(optional['beta_slow'] or 1)!r}, original_max_position={original}, "
+        f"attention_factor={float(attention_factor)!r}, truncate={truncate!r})"
+    )
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention temperature for a context stretched by `factor` (transformers' `get_mscale`)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+ROPE_SCALINGS: dict[str, Callable[[Config, str, dict], str]] = {
+    "llama3": _llama3_scaling,
+    "linear": _linear_scaling,
+    "yarn": _yarn_scaling,
+}
 
 
 def _rope_dict(c: Config, key: str) -> dict:

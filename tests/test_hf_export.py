@@ -32,6 +32,8 @@ FAMILIES = [
     "hf_mistral_window",
     "hf_gemma2",
     "hf_qwen2_moe",
+    "hf_qwen3_yarn",
+    "hf_llama_linear",
 ]
 MOE = ["hf_mixtral", "hf_qwen2_moe"]
 # (fixture, expert layout): the Hub's one tensor per expert, as save_pretrained writes it (<name>_hub.npz), and
