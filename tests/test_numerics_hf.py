@@ -58,6 +58,7 @@ ARCHITECTURES = [
     "hf_mistral_window",
     "hf_gemma2",
     "hf_qwen2_moe",
+    "hf_gemma3",
     "hf_qwen3_yarn",
     "hf_llama_linear",
 ]

@@ -1,0 +1,141 @@
+"""Gemma 3's text model: import-hf reads transformers 5's per-layer-type `rope_parameters` and 4.x's
+rope_theta / rope_local_base_freq / rope_scaling / sliding_window_pattern alike, and the `text_config` of an
+image-text `gemma3` config; export-hf writes Gemma3ForCausalLM back; what axgen cannot honour stops in one line.
+Logits against HF's: tests/test_numerics_hf.py (hf_gemma3); the bit-identical round trip: tests/test_hf_export.py.
+"""
+
+import json
+
+import numpy as np
+import pytest
+from tests.conftest import ROOT
+
+from axgen.cli import main as axgen
+from axgen.hf_export import hf_config
+from axgen.hf_import import import_config
+from axgen.loader import load_spec
+
+FIXTURE = ROOT / "tests/fixtures/hf_gemma3.npz"
+IGNORED = ("torch_version", "transformers_version", "id2label", "label2id")
+
+
+def fixture_config() -> dict:
+    """The tiny Gemma3ForCausalLM's config as transformers 5.23 wrote it."""
+    config = json.loads(str(np.load(FIXTURE)["config"]))
+    return {k: v for k, v in config.items() if k not in IGNORED}
+
+
+def as_transformers_4(config: dict) -> dict:
+    """The same model in the keys published Gemma 3 configs carry: rope_theta (global), rope_local_base_freq,
+    rope_scaling (global), sliding_window_pattern; no layer_types."""
+    config = dict(config)
+    rope = config.pop("rope_parameters")
+    full = dict(rope["full_attention"])
+    config["rope_theta"] = full.pop("rope_theta")
+    config["rope_local_base_freq"] = rope["sliding_attention"]["rope_theta"]
+    config["rope_scaling"] = full
+    config["sliding_window_pattern"] = config.pop("_sliding_window_pattern")
+    del config["layer_types"]
+    return config
+
+
+def imported(tmp_path, capsys, config: dict, name: str = "spec"):
+    (tmp_path / f"{name}.json").write_text(json.dumps(config))
+    code = axgen(["import-hf", str(tmp_path / f"{name}.json"), "--out", str(tmp_path / f"{name}.py")])
+    output = capsys.readouterr()
+    assert code == 0, output.err
+    return load_spec(tmp_path / f"{name}.py")
+
+
+def test_transformers_4_and_5_keys_and_the_image_text_config_give_one_spec(tmp_path, capsys):
+    v5 = fixture_config()
+    image_text = {
+        "model_type": "gemma3",
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": as_transformers_4(v5),
+        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152},
+        "mm_tokens_per_image": 256,
+        "boi_token_index": 255_999,
+        "eoi_token_index": 256_000,
+        "image_token_index": 262_144,
+        "torch_dtype": "float32",
+    }
+    specs = [
+        imported(tmp_path, capsys, config, name).replace(name="x", checkpoint_dtype=None)
+        for name, config in (("v5", v5), ("v4", as_transformers_4(v5)), ("image_text", image_text))
+    ]
+    assert specs[0] == specs[1] == specs[2]
+    rope = specs[0].feature("rope")
+    assert (rope.theta, rope.local_theta, str(rope.scaling)) == (1_000_000.0, 10_000.0, "linear(factor=8.0)")
+    window = specs[0].feature("sliding_window")
+    assert (window.window, window.global_every) == (8, 6)
+    assert specs[0].decoder.attention.scale == 24**-0.5
+    assert [f.pass_name for f in specs[0].features] == ["rope", "gemma_block", "qk_norm", "sliding_window"]
+
+
+def test_the_exported_config_imports_back_to_the_same_spec(tmp_path, capsys):
+    spec = load_spec(ROOT / "tests/fixtures/hf_gemma3_spec.py")
+    config = hf_config(spec, "float32")
+    assert (config["architectures"], config["model_type"]) == (["Gemma3ForCausalLM"], "gemma3_text")
+    assert config["layer_types"] == fixture_config()["layer_types"]
+    assert (config["rope_theta"], config["rope_local_base_freq"]) == (1_000_000.0, 10_000.0)
+    assert config["rope_scaling"] == {"rope_type": "linear", "factor": 8.0}
+    _, read = import_config(config, "exported/config.json")
+    assert not read.unaccounted()
+    back = imported(tmp_path, capsys, config)
+    assert back.decoder == spec.decoder and back.features == spec.features
+
+
+def v4_with(**changes) -> dict:
+    return as_transformers_4(fixture_config()) | changes
+
+
+BAD = [
+    (
+        v4_with(num_hidden_layers=26, sliding_window_pattern=6),
+        "sliding_window_pattern=6 does not repeat whole groups of 6 layers over num_hidden_layers=26",
+    ),
+    (
+        fixture_config()
+        | {"layer_types": ["sliding_attention"] * 5 + ["full_attention"] * 2 + ["sliding_attention"] * 5},
+        "layer_types=['sliding_attention', 'sliding_attention', ",
+    ),
+    (v4_with(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0 caps attention scores"),
+    (
+        v4_with(use_bidirectional_attention=True),
+        "use_bidirectional_attention=True makes attention bidirectional",
+    ),
+    (v4_with(rope_local_base_freq="1e4"), 'rope_local_base_freq="1e4" is not a finite number > 0'),
+    (v4_with(rope_scaling={"rope_type": "longrope"}), 'rope_scaling.rope_type="longrope" is not one axgen'),
+    (
+        fixture_config()
+        | {
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+                "sliding_attention": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0},
+            }
+        },
+        "rope_parameters.sliding_attention scales RoPE on the local layers",
+    ),
+    (
+        fixture_config()
+        | {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6}}},
+        "rope_parameters.sliding_attention=null is not an object of RoPE parameters",
+    ),
+    (
+        {"model_type": "gemma3", "text_config": v4_with(shiny=1)},
+        "text_config.shiny=1 is a key axgen's gemma3_text import does not know",
+    ),
+    ({"model_type": "gemma3", "text_config": [1]}, "text_config=[1] is not an object"),
+]
+
+
+@pytest.mark.parametrize(("config", "message"), BAD, ids=[m[:40] for _, m in BAD])
+def test_a_gemma3_config_axgen_cannot_honour_stops_in_one_line(config, message, tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code = axgen(["import-hf", str(tmp_path / "config.json"), "--out", str(tmp_path / "specs/out.py")])
+    error = capsys.readouterr().err
+    assert code == 2
+    assert error.startswith(f"axgen: error: {tmp_path / 'config.json'}"), error
+    assert message in error and error.count("\n") == 1, error
+    assert not (tmp_path / "specs").exists(), "nothing is written"
