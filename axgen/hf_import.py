@@ -604,25 +604,22 @@ def gemma3_text(c: Config) -> SpecSource:
 
 def _gemma3_pattern(c: Config) -> int | None:
     """k of "the last layer of each group of k is global" (4.x: sliding_window_pattern; 5: layer_types); None
-    when every layer has a window, 1 when none has."""
+    when every layer has a window, 1 when none has. Layers after the last whole group are windowed."""
     c.read |= {"sliding_window_pattern", "_sliding_window_pattern"}
     layers = c["num_hidden_layers"]
     if "layer_types" in c.values:
         types = c["layer_types"]
-        key = "layer_types"
         full = (
             [i for i, kind in enumerate(types) if kind == "full_attention"] if isinstance(types, list) else []
         )
         every = full[0] + 1 if full else None
+    elif "_sliding_window_pattern" in c.values and "sliding_window_pattern" not in c.values:
+        every = c["_sliding_window_pattern"]  # the private name some re-saved configs carry
     else:
-        key = "sliding_window_pattern" if "sliding_window_pattern" in c.values else "_sliding_window_pattern"
-        every = c[key] if key in c.values else c["sliding_window_pattern"]
+        every = c["sliding_window_pattern"]
     _layer_types(c, lambda i: "full_attention" if every and (i + 1) % every == 0 else "sliding_attention")
-    if every and every != 1 and layers % every:
-        raise HFImportError(
-            f"{c.path}: {key}={_shown(c.values.get(key, every))} does not repeat whole groups of "
-            f"{every} layers over num_hidden_layers={layers}; axgen's scan runs whole groups of local and global layers"
-        )
+    if every and every > layers:  # no group is whole: every layer is windowed
+        return None
     return every
 
 

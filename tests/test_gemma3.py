@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 from tests.conftest import ROOT
 
+from axgen.build import build
 from axgen.cli import main as axgen
 from axgen.hf_export import hf_config
 from axgen.hf_import import import_config
+from axgen.interop import hf_layout
 from axgen.loader import load_spec
 
 FIXTURE = ROOT / "tests/fixtures/hf_gemma3.npz"
@@ -92,12 +94,8 @@ def v4_with(**changes) -> dict:
 
 BAD = [
     (
-        v4_with(num_hidden_layers=26, sliding_window_pattern=6),
-        "sliding_window_pattern=6 does not repeat whole groups of 6 layers over num_hidden_layers=26",
-    ),
-    (
         fixture_config()
-        | {"layer_types": ["sliding_attention"] * 5 + ["full_attention"] * 2 + ["sliding_attention"] * 5},
+        | {"layer_types": ["sliding_attention"] * 5 + ["full_attention"] * 2 + ["sliding_attention"] * 7},
         "layer_types=['sliding_attention', 'sliding_attention', ",
     ),
     (v4_with(attn_logit_softcapping=50.0), "attn_logit_softcapping=50.0 caps attention scores"),
@@ -139,3 +137,27 @@ def test_a_gemma3_config_axgen_cannot_honour_stops_in_one_line(config, message, 
     assert error.startswith(f"axgen: error: {tmp_path / 'config.json'}"), error
     assert message in error and error.count("\n") == 1, error
     assert not (tmp_path / "specs").exists(), "nothing is written"
+
+
+def test_layers_after_the_last_whole_group_are_windowed_in_a_scan_of_their_own(tmp_path):
+    """Gemma 3 27B's 62 layers are 10 groups of 5 windowed : 1 global, then 2 windowed: here 8 layers in groups of
+    3. The last two run in a second scan, with the window and the local theta, and read HF layers 6 and 7."""
+    (tmp_path / "spec.py").write_text(
+        "from specs.llama_tiny import spec as tiny\nfrom axgen.spec import features as F\n"
+        "spec = tiny.replace(decoder=tiny.decoder.replace(num_layers=8), features=[\n"
+        "    F.rope(theta=1e6, local_theta=1e4), F.sliding_window(window=16, global_every=3)])\n"
+    )
+    built = build(tmp_path / "spec.py", "cpu-1")
+    assert [(b.name, b.repeat) for b in built.graph.blocks()] == [
+        ("layers", 4),
+        ("tail_layers", 2),
+        ("global_layers", 2),
+    ]
+    scans = [(n.name, n.attrs.blocks, n.attrs.steps) for n in built.graph.nodes(op="scan")]
+    assert scans == [("layers", ("layers", "global_layers"), 2), ("tail_layers", ("tail_layers",), 2)]
+    windows = {(n.region, n.attrs.window) for n in built.graph.nodes(op="attention")}
+    assert windows == {("layers", 16), ("tail_layers", 16), ("global_layers", None)}
+    thetas = {(n.region, n.attrs.theta) for n in built.graph.nodes(op="rope")}
+    assert thetas == {("layers", 1e4), ("tail_layers", 1e4), ("global_layers", 1e6)}
+    layers = {block: rows for block, _, rows in hf_layout(built.spec) if rows}
+    assert layers == {"layers": [0, 1, 3, 4], "global_layers": [2, 5], "tail_layers": [6, 7]}

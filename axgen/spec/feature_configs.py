@@ -334,7 +334,8 @@ class QKNorm(Feature):
 class SlidingWindow(Feature):
     """Each query attends to the last `window` positions, itself included (Mistral 7B v0.1: 4096; HF's
     `sliding_window`). With `global_every=k`, the last layer of each group of k keeps full attention: Gemma 2
-    alternates local and global layers with k=2."""
+    alternates local and global layers with k=2, Gemma 3 has k=6; layers after the last whole group are local
+    (Gemma 3 27B: 62 layers, the last 2)."""
 
     pass_name: typing.ClassVar[str] = "sliding_window"
     window: int
@@ -346,8 +347,8 @@ class SlidingWindow(Feature):
             self.fail("global_every", "must be >= 2 (or None: every layer local)")
 
     def check_model(self, model: Model) -> None:
-        if self.global_every and model.decoder.num_layers % self.global_every:
-            self.fail("global_every", f"does not divide Decoder.num_layers={model.decoder.num_layers}")
+        if self.global_every and model.decoder.num_layers < self.global_every:
+            self.fail("global_every", f"is more than Decoder.num_layers={model.decoder.num_layers}")
 
 
 @dataclass(frozen=True, kw_only=True)
