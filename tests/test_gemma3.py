@@ -15,7 +15,9 @@ from axgen.cli import main as axgen
 from axgen.hf_export import hf_config
 from axgen.hf_import import import_config
 from axgen.interop import hf_layout
+from axgen.ir import cost, from_spec
 from axgen.loader import load_spec
+from axgen.passes import run_passes
 
 FIXTURE = ROOT / "tests/fixtures/hf_gemma3.npz"
 IGNORED = ("torch_version", "transformers_version", "id2label", "label2id")
@@ -161,3 +163,44 @@ def test_layers_after_the_last_whole_group_are_windowed_in_a_scan_of_their_own(t
     assert thetas == {("layers", 1e4), ("tail_layers", 1e4), ("global_layers", 1e6)}
     layers = {block: rows for block, _, rows in hf_layout(built.spec) if rows}
     assert layers == {"layers": [0, 1, 3, 4], "global_layers": [2, 5], "tail_layers": [6, 7]}
+
+
+# Gemma 3 27B's text_config keys as google/gemma-3-27b-it's config.json states them (quoted in public code; no
+# verbatim copy of the file was found, so it is not in the published corpus); the rest are Gemma3TextConfig's
+# defaults. transformers 5.23 builds a Gemma3ForCausalLM of 27,009,346,304 parameters from it
+# (tests/fixtures/count_hf_params.py, meta device): the text model, which is what the import builds; the Hub's
+# 27B count adds the SigLIP vision tower and the projector.
+GEMMA3_27B_TEXT = {
+    "model_type": "gemma3_text",
+    "head_dim": 128,
+    "hidden_size": 5376,
+    "intermediate_size": 21504,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 62,
+    "num_key_value_heads": 16,
+    "query_pre_attn_scalar": 168,
+    "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+    "sliding_window": 1024,
+}
+GEMMA3_27B_TRANSFORMERS_PARAMS = 27_009_346_304
+
+
+def test_gemma3_27b_is_the_published_text_model_with_transformers_parameter_count(tmp_path, capsys):
+    bundled = load_spec(ROOT / "specs/gemma3_27b.py")
+    image_text = {"model_type": "gemma3", "text_config": GEMMA3_27B_TEXT, "vision_config": {}}
+    imported_spec = imported(tmp_path, capsys, image_text)
+    assert imported_spec.decoder == bundled.decoder
+    assert (imported_spec.vocab_size, imported_spec.d_model, imported_spec.tie_embeddings) == (
+        262_208,
+        5376,
+        True,
+    )
+    assert imported_spec.features == bundled.features
+    graph = from_spec(bundled)
+    run_passes(graph, bundled.features)
+    assert cost.num_params(graph) == GEMMA3_27B_TRANSFORMERS_PARAMS
+    assert [(b.name, b.repeat) for b in graph.blocks()] == [
+        ("layers", 50),
+        ("tail_layers", 2),
+        ("global_layers", 10),
+    ]

@@ -157,6 +157,7 @@ BUNDLED = [
     "qwen3_8b",
     "qwen2_moe_a2_7b",
     "gemma2_9b",
+    "gemma3_27b",
 ]
 
 
@@ -174,9 +175,10 @@ def test_the_written_config_imports_back_to_the_same_model(name):
         spec.tie_embeddings,
     )
     attention = spec.decoder.attention
+    scale = "" if attention.scale is None else f", scale={round(attention.scale**-2)}**-0.5"  # Gemma's scalar
     assert source.attention == (
         f"Attention(num_heads={attention.num_heads}, num_kv_heads={attention.num_kv_heads}, "
-        f"head_dim={attention.head_dim})"
+        f"head_dim={attention.head_dim}{scale})"
     )
     assert [f.split("(")[0] for f in source.features] == [f"F.{f.pass_name}" for f in spec.features]
 
