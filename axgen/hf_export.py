@@ -64,22 +64,41 @@ def hf_config(spec: Model, dtype: str) -> dict:
 
 
 def _max_position(spec: Model) -> int:
-    """The longest sequence the model was meant for: what it trains on, or what its RoPE scaling stretches to."""
+    """The longest sequence the model was meant for: what it trains on, or what its RoPE scaling stretches to
+    (linear scaling states no original length: what it trains on)."""
     trained = spec.train.seq_len if spec.train else 4096
     scaling = spec.feature("rope").scaling
-    return max(trained, int(scaling.original_max_position * scaling.factor)) if scaling else trained
+    if scaling is None or scaling.rule == "linear":
+        return trained
+    return max(trained, int(scaling.original_max_position * scaling.factor))
 
 
 def _rope_scaling(scaling) -> dict | None:
     if scaling is None:
         return None
-    return {
+    return ROPE_SCALINGS[scaling.rule](scaling)
+
+
+ROPE_SCALINGS = {
+    "llama3": lambda scaling: {
         "rope_type": "llama3",
         "factor": scaling.factor,
         "low_freq_factor": scaling.low_freq_factor,
         "high_freq_factor": scaling.high_freq_factor,
         "original_max_position_embeddings": scaling.original_max_position,
-    }
+    },
+    "linear": lambda scaling: {"rope_type": "linear", "factor": scaling.factor},
+    # Every value stated, the attention factor too, so that transformers' defaults decide nothing.
+    "yarn": lambda scaling: {
+        "rope_type": "yarn",
+        "factor": scaling.factor,
+        "beta_fast": scaling.beta_fast,
+        "beta_slow": scaling.beta_slow,
+        "original_max_position_embeddings": scaling.original_max_position,
+        "attention_factor": scaling.attention_factor,
+        "truncate": scaling.truncate,
+    },
+}
 
 
 def _mistral(spec: Model) -> dict:
@@ -159,6 +178,41 @@ def _gemma2(spec: Model) -> dict:
     }
 
 
+def _gemma3_text(spec: Model) -> dict:
+    """Gemma 3: windowed layers with their own theta (rope_local_base_freq), the last of each group of
+    `sliding_window_pattern` global; q/k norms with the decoder's eps; final logits capped or not."""
+    rope, window, cap = spec.feature("rope"), spec.feature("sliding_window"), spec.feature("softcap")
+    qk_norm = spec.feature("qk_norm")
+    if qk_norm.eps != spec.decoder.norm.eps:
+        raise CheckpointError(
+            f"{qk_norm.origin}: QKNorm.eps={qk_norm.eps!r}: Gemma 3 in HF normalises q and k with rms_norm_eps="
+            f"{spec.decoder.norm.eps!r}"
+        )
+    if cap is not None and cap.attention is not None:
+        raise CheckpointError(f"{cap.origin}: SoftCap.attention: Gemma 3 in HF does not cap attention scores")
+    layers = spec.decoder.num_layers
+    if window is None:
+        pattern, size = 1, 4096  # every layer global; the window size is then unused
+    else:
+        pattern, size = window.global_every or layers + 1, window.window
+    if window is not None and window.global_every is None:
+        layer_types = ["sliding_attention"] * layers
+    else:
+        layer_types = [
+            "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)
+        ]
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": _query_pre_attn_scalar(spec.decoder.attention),
+        "sliding_window": size,
+        "layer_types": layer_types,
+        "rope_local_base_freq": rope.local_theta if rope.local_theta is not None else rope.theta,
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": cap.final if cap else None,
+    }
+
+
 def _query_pre_attn_scalar(attention) -> int:
     """Gemma's query_pre_attn_scalar, whose **-0.5 is the attention's scale."""
     if attention.scale is None:
@@ -181,6 +235,7 @@ FAMILY_KEYS = {
     "qwen2_moe": _qwen2_moe,
     "qwen3_moe": _qwen3_moe,
     "gemma2": _gemma2,
+    "gemma3_text": _gemma3_text,
 }
 
 

@@ -29,6 +29,7 @@ ARCHITECTURES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
 # The features each family's HF model computes; remat and quantize shape training only, not the weights' meaning.
 TRAINING_ONLY = {"remat", "quantize"}
@@ -41,9 +42,12 @@ FAMILY_FEATURES = {
     "qwen2_moe": {"rope", "qkv_bias", "moe"},
     "qwen3_moe": {"rope", "qk_norm", "moe"},
     "gemma2": {"rope", "gemma_block", "sliding_window", "softcap"},
+    "gemma3_text": {"rope", "gemma_block", "qk_norm", "sliding_window", "softcap"},
 }
 # The families whose HF attention takes a softmax scale other than head_dim**-0.5 (`query_pre_attn_scalar`).
-SCALED_ATTENTION = {"gemma2"}
+SCALED_ATTENTION = {"gemma2", "gemma3_text"}
+# The families whose HF model gives windowed layers a RoPE theta of their own (`RoPE.local_theta`).
+LOCAL_THETA = {"gemma3_text"}
 
 
 def family(spec: Model) -> str:
@@ -51,7 +55,7 @@ def family(spec: Model) -> str:
     features = {f.pass_name for f in spec.features} - TRAINING_ONLY
     moe = spec.feature("moe")
     if "gemma_block" in features:
-        name = "gemma2"
+        name = "gemma3_text" if "qk_norm" in features else "gemma2"
     elif moe is not None:
         name = _moe_family(spec)
     elif "qk_norm" in features:
@@ -64,6 +68,11 @@ def family(spec: Model) -> str:
     if extra:
         raise CheckpointError(
             f"{spec.origin}: {name} models in HF have no {extra[0]!r}; export-hf cannot write it"
+        )
+    rope = spec.feature("rope")
+    if rope is not None and rope.local_theta is not None and name not in LOCAL_THETA:
+        raise CheckpointError(
+            f"{rope.origin}: RoPE.local_theta={rope.local_theta!r}: {name} models in HF have one theta for every layer"
         )
     attention = spec.decoder.attention
     if attention.scale is not None and name not in SCALED_ATTENTION:

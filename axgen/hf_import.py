@@ -123,6 +123,27 @@ DEFAULTS: dict[str, dict] = {
         "max_position_embeddings": 8192,
     },
 }
+# Gemma3TextConfig's defaults (transformers 5.23), with the 4.x keys published configs still carry.
+DEFAULTS["gemma3_text"] = _LLAMA | {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh",
+    "max_position_embeddings": 131_072,
+    "tie_word_embeddings": True,
+    "query_pre_attn_scalar": 256,
+    "sliding_window": 4096,
+    "sliding_window_pattern": 6,
+    "attn_logit_softcapping": None,
+    "final_logit_softcapping": None,
+    "use_bidirectional_attention": False,
+    "rope_theta": 1_000_000.0,
+    "rope_local_base_freq": 10_000.0,
+}
 
 
 class HFImportError(ValueError):
@@ -149,6 +170,7 @@ KINDS: dict[str, tuple[Callable[[object], bool], str]] = {
         "a finite number > 0, or null",
     ),
     "number >= 0": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
+    "number >= 0 or null": (lambda v: v is None or (_finite(v) and v >= 0), "a finite number >= 0, or null"),
     "boolean": (lambda v: type(v) is bool, "true or false"),
     "boolean or null": (lambda v: v is None or type(v) is bool, "true, false or null"),
 }
@@ -189,6 +211,12 @@ KEY_KINDS = {
         "boolean",
     ),
     **dict.fromkeys(("attention_bias", "mlp_bias", "use_bidirectional_attention"), "boolean or null"),
+}
+
+KEY_KINDS |= {
+    "rope_local_base_freq": "positive number",
+    "sliding_window_pattern": "positive int",
+    "_sliding_window_pattern": "positive int",
 }
 
 
@@ -325,31 +353,92 @@ def _decoder(c: Config, activation: str = "swiglu") -> SpecSource:
 def _rope(c: Config) -> str:
     """F.rope from `rope_parameters` (transformers 5) or `rope_theta` and `rope_scaling` (4.x)."""
     if "rope_parameters" in c.values:
-        parameters = _rope_dict(c, "rope_parameters")
-        theta = _rope_value(c, "rope_parameters", parameters, "rope_theta", "positive number")
+        key, parameters = "rope_parameters", _rope_dict(c, "rope_parameters")
+        theta = _rope_value(c, key, parameters, "rope_theta", "positive number")
     else:
-        theta, parameters = c["rope_theta"], _rope_dict(c, "rope_scaling")
+        key, theta, parameters = "rope_scaling", c["rope_theta"], _rope_dict(c, "rope_scaling")
+    scaling = _rope_scaling(c, key, parameters)
+    return f"F.rope(theta={_number(float(theta))}{f', scaling={scaling}' if scaling else ''})"
+
+
+def _rope_scaling(c: Config, key: str, parameters: dict) -> str | None:
+    """The `scaling=` of F.rope from a config's RoPE parameters (theta already taken out), None for plain RoPE;
+    every parameter must be read."""
     kind = parameters.pop("rope_type", parameters.pop("type", "default"))
     if kind == "default" and not parameters:
-        return f"F.rope(theta={_number(float(theta))})"
-    if kind != "llama3":
-        raise HFImportError(f"{c.path}: rope type {kind!r} is not one axgen implements (default, llama3)")
-    key = "rope_parameters" if "rope_parameters" in c.values else "rope_scaling"
+        return None
+    if kind not in ROPE_SCALINGS:
+        raise HFImportError(
+            f"{c.path}: {key}.rope_type={_shown(kind)} is not one axgen implements "
+            f"(default, {', '.join(ROPE_SCALINGS)})"
+        )
+    scaling = ROPE_SCALINGS[kind](c, key, parameters)
+    if parameters:
+        name, value = next(iter(parameters.items()))
+        raise HFImportError(
+            f"{c.path}: {key}.{name}={_shown(value)} is not a parameter axgen's {kind} scaling reads"
+        )
+    return scaling
+
+
+def _llama3_scaling(c: Config, key: str, parameters: dict) -> str:
     factor, low, high = (
         float(_rope_value(c, key, parameters, name, "positive number"))
         for name in ("factor", "low_freq_factor", "high_freq_factor")
     )
     original = _rope_value(c, key, parameters, "original_max_position_embeddings", "positive int")
-    scaling = (
+    return (
         f"F.rope_scaling(factor={factor!r}, low_freq_factor={low!r}, high_freq_factor={high!r}, "
         f"original_max_position={original})"
     )
-    if parameters:
-        name, value = next(iter(parameters.items()))
-        raise HFImportError(
-            f"{c.path}: {key}.{name}={_shown(value)} is not a parameter axgen's llama3 scaling reads"
+
+
+def _linear_scaling(c: Config, key: str, parameters: dict) -> str:
+    return f"F.rope_linear(factor={float(_rope_value(c, key, parameters, 'factor', 'positive number'))!r})"
+
+
+def _yarn_scaling(c: Config, key: str, parameters: dict) -> str:
+    """YaRN with every value transformers' `_compute_yarn_parameters` takes stated: beta_fast 32 and beta_slow 1
+    where missing (or 0, which it reads as missing), truncate true, and the attention factor from `factor`,
+    `mscale` and `mscale_all_dim` where the config does not give it."""
+    factor = float(_rope_value(c, key, parameters, "factor", "positive number"))
+    original = _rope_value(c, key, parameters, "original_max_position_embeddings", "positive int")
+    optional = {
+        name: _rope_value(c, key, parameters, name, kind) if name in parameters else None
+        for name, kind in (
+            ("beta_fast", "positive number or null"),
+            ("beta_slow", "positive number or null"),
+            ("attention_factor", "positive number or null"),
+            ("mscale", "number >= 0 or null"),
+            ("mscale_all_dim", "number >= 0 or null"),
+            ("truncate", "boolean"),
         )
-    return f"F.rope(theta={_number(float(theta))}, scaling={scaling})"
+    }
+    attention_factor = optional["attention_factor"]
+    if attention_factor is None:
+        mscale, mscale_all_dim = optional["mscale"], optional["mscale_all_dim"]
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor, 1)
+    truncate = True if optional["truncate"] is None else optional["truncate"]
+    return (
+        f"F.rope_yarn(factor={factor!r}, beta_fast={float(optional['beta_fast'] or 32)!r}, "
+        f"beta_slow={float(optional['beta_slow'] or 1)!r}, original_max_position={original}, "
+        f"attention_factor={float(attention_factor)!r}, truncate={truncate!r})"
+    )
+
+
+def _yarn_mscale(factor: float, mscale: float) -> float:
+    """YaRN's attention temperature for a context stretched by `factor` (transformers' `get_mscale`)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+ROPE_SCALINGS: dict[str, Callable[[Config, str, dict], str]] = {
+    "llama3": _llama3_scaling,
+    "linear": _linear_scaling,
+    "yarn": _yarn_scaling,
+}
 
 
 def _rope_dict(c: Config, key: str) -> dict:
@@ -518,6 +607,134 @@ def _alternating_window(c: Config) -> str:
     return f"F.sliding_window(window={window}, global_every=2)"
 
 
+def gemma3_text(c: Config) -> SpecSource:
+    """Gemma 3's text model: Gemma 2's block with (1 + w) q/k norms, layers of N local : 1 global, a theta per
+    layer type, and no attention soft-capping."""
+    _activation(c, "hidden_activation", ("gelu_pytorch_tanh",))
+    c.read.add("hidden_act")  # transformers reads hidden_activation for Gemma 3
+    _no_attention_bias(c)
+    # transformers' Gemma 3 never caps attention scores, whatever the config says; axgen will not guess.
+    c.expect("attn_logit_softcapping", (None,), "caps attention scores, which transformers' Gemma 3 does not")
+    source = _decoder(c)
+    head_dim = c["head_dim"] or c["hidden_size"] // c["num_attention_heads"]
+    scalar = c["query_pre_attn_scalar"]
+    if scalar != head_dim:  # Gemma-3-27B: 168 (hidden / heads), where head_dim is 128
+        source.attention = source.attention[:-1] + f", scale={_number(scalar)}**-0.5)"
+    every = _gemma3_pattern(c)
+    source.features = [
+        _gemma3_rope(c, local=every != 1),
+        "F.gemma_block()",
+        f'F.qk_norm(eps={c["rms_norm_eps"]!r})',
+    ]
+    if every != 1:
+        window = c["sliding_window"]
+        source.features.append(
+            f"F.sliding_window(window={window}{f', global_every={every}' if every else ''})"
+        )
+    else:
+        c.read.add("sliding_window")  # no layer has a window
+    final = c["final_logit_softcapping"]
+    if final is not None:
+        source.features.append(f"F.softcap(final={float(final)!r})")
+    return source
+
+
+def _gemma3_pattern(c: Config) -> int | None:
+    """k of "the last layer of each group of k is global" (4.x: sliding_window_pattern; 5: layer_types); None
+    when every layer has a window, 1 when none has. Layers after the last whole group are windowed."""
+    c.read |= {"sliding_window_pattern", "_sliding_window_pattern"}
+    layers = c["num_hidden_layers"]
+    if "layer_types" in c.values:
+        types = c["layer_types"]
+        full = (
+            [i for i, kind in enumerate(types) if kind == "full_attention"] if isinstance(types, list) else []
+        )
+        every = full[0] + 1 if full else None
+    elif "_sliding_window_pattern" in c.values and "sliding_window_pattern" not in c.values:
+        every = c["_sliding_window_pattern"]  # the private name some re-saved configs carry
+    else:
+        every = c["sliding_window_pattern"]
+    _layer_types(c, lambda i: "full_attention" if every and (i + 1) % every == 0 else "sliding_attention")
+    if every and every > layers:  # no group is whole: every layer is windowed
+        return None
+    return every
+
+
+def _gemma3_rope(c: Config, local: bool) -> str:
+    """F.rope of the global layers with `local_theta` for the windowed ones: transformers 5's `rope_parameters`
+    per layer type, or 4.x's rope_theta, rope_scaling (global) and rope_local_base_freq."""
+    if "rope_parameters" in c.values:
+        per_type = _rope_dict(c, "rope_parameters")
+        kinds = {}
+        for kind in ("full_attention", "sliding_attention"):
+            key = f"rope_parameters.{kind}"
+            value = per_type.pop(kind, None)
+            if not isinstance(value, dict):
+                raise HFImportError(f"{c.path}: {key}={_shown(value)} is not an object of RoPE parameters")
+            kinds[kind] = (key, dict(value))
+        if per_type:
+            name, value = next(iter(per_type.items()))
+            raise HFImportError(
+                f"{c.path}: rope_parameters.{name}={_shown(value)} is not a Gemma 3 layer type"
+            )
+        (key, full), (local_key, sliding) = kinds["full_attention"], kinds["sliding_attention"]
+        theta = _rope_value(c, key, full, "rope_theta", "positive number")
+        scaling = _rope_scaling(c, key, full)
+        local_theta = _rope_value(c, local_key, sliding, "rope_theta", "positive number")
+        if _rope_scaling(c, local_key, sliding) is not None:
+            raise HFImportError(
+                f"{c.path}: {local_key} scales RoPE on the local layers, which axgen gives plain RoPE only"
+            )
+    else:
+        theta, local_theta = c["rope_theta"], c["rope_local_base_freq"]
+        scaling = _rope_scaling(c, "rope_scaling", _rope_dict(c, "rope_scaling"))
+    arguments = [f"theta={_number(float(theta))}"]
+    if scaling:
+        arguments.append(f"scaling={scaling}")
+    if local:
+        arguments.append(f"local_theta={_number(float(local_theta))}")
+    return f"F.rope({', '.join(arguments)})"
+
+
+def gemma3(c: Config) -> SpecSource:
+    """A Gemma 3 image-text config: the import builds its text model (`text_config`, read as a gemma3_text
+    config); the vision tower and the projector are not built, so their keys are read and left."""
+    text = c["text_config"]
+    if not isinstance(text, dict):
+        raise HFImportError(f"{c.path}: text_config={_shown(text)} is not an object")
+    text_type = text.get("model_type", "gemma3_text")
+    if text_type != "gemma3_text":
+        raise HFImportError(f"{c.path}: text_config.model_type={_shown(text_type)} is not gemma3_text")
+    inner = Config(text, f"{c.path}: text_config", "gemma3_text")
+    inner.read |= {"model_type", "dtype", "torch_dtype"}
+    source = gemma3_text(inner)
+    unaccounted = inner.unaccounted()
+    if unaccounted:
+        key = unaccounted[0]
+        raise HFImportError(
+            f"{c.path}: text_config.{key}={_shown(text[key])} is a key axgen's gemma3_text import does not know"
+        )
+    c.read |= MULTIMODAL_KEYS
+    return source
+
+
+# A Gemma 3 image-text config's keys for the parts the import does not build: the vision tower, its projector and
+# the image tokens.
+MULTIMODAL_KEYS = frozenset(
+    {
+        "vision_config",
+        "mm_tokens_per_image",
+        "boi_token_index",
+        "eoi_token_index",
+        "image_token_index",
+        "image_token_id",
+        "boi_token_id",
+        "eoi_token_id",
+    }
+)
+DEFAULTS["gemma3"] = {}
+
+
 FAMILIES: dict[str, Callable[[Config], SpecSource]] = {
     "llama": llama,
     "mistral": mistral,
@@ -527,6 +744,8 @@ FAMILIES: dict[str, Callable[[Config], SpecSource]] = {
     "qwen2_moe": qwen2_moe,
     "qwen3_moe": qwen3_moe,
     "gemma2": gemma2,
+    "gemma3_text": gemma3_text,
+    "gemma3": gemma3,
 }
 
 

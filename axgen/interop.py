@@ -82,11 +82,12 @@ def hf_layout(spec: Model) -> list[tuple[str | None, Param, list[int] | None]]:
     order; block and layers are None for a param outside the decoder's scan."""
     graph = from_spec(spec)
     run_passes(graph, spec.features)
-    layout = []
+    layout, first = [], 0  # first: the HF index of the scan's first layer; a later scan runs the layers after
     for node in graph.nodes(region="main"):
         if node.op == "scan":
-            for block, layers in _block_layers(graph, node).items():
+            for block, layers in _block_layers(graph, node, first).items():
                 layout += [(block, p, layers) for n in graph.nodes(region=block) for p in n.params.values()]
+                first += len(layers)
         layout += [(None, p, None) for p in node.params.values()]
     return layout
 
@@ -176,12 +177,12 @@ def hf_names(param: Param, layers: list[int] | None) -> list[str]:
     return [param.hf.name.format(layer=layer) for layer in (layers or [None])]
 
 
-def _block_layers(graph: Graph, scan: Node) -> dict[str, list[int]]:
-    """Each block's layer indices: a scan step runs each block's share of the step's layers in turn."""
+def _block_layers(graph: Graph, scan: Node, start: int) -> dict[str, list[int]]:
+    """Each block's layer indices, from `start`: a scan step runs each block's share of the step's layers in turn."""
     per_step = {block: graph.regions[block].repeat // scan.attrs.steps for block in scan.attrs.blocks}
     step_size, layers = sum(per_step.values()), {block: [] for block in per_step}
     for step in range(scan.attrs.steps):
-        first = step * step_size
+        first = start + step * step_size
         for block, count in per_step.items():
             layers[block] += range(first, first + count)
             first += count

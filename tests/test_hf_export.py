@@ -33,6 +33,9 @@ FAMILIES = [
     "hf_gemma2",
     "hf_qwen2_moe",
     "hf_qwen3_moe",
+    "hf_gemma3",
+    "hf_qwen3_yarn",
+    "hf_llama_linear",
 ]
 MOE = ["hf_mixtral", "hf_qwen2_moe", "hf_qwen3_moe"]
 # (fixture, expert layout): the Hub's one tensor per expert, as save_pretrained writes it (<name>_hub.npz), and
@@ -157,6 +160,7 @@ BUNDLED = [
     "qwen3_30b_a3b",
     "qwen3_235b_a22b",
     "gemma2_9b",
+    "gemma3_27b",
 ]
 
 
@@ -174,9 +178,10 @@ def test_the_written_config_imports_back_to_the_same_model(name):
         spec.tie_embeddings,
     )
     attention = spec.decoder.attention
+    scale = "" if attention.scale is None else f", scale={round(attention.scale**-2)}**-0.5"  # Gemma's scalar
     assert source.attention == (
         f"Attention(num_heads={attention.num_heads}, num_kv_heads={attention.num_kv_heads}, "
-        f"head_dim={attention.head_dim})"
+        f"head_dim={attention.head_dim}{scale})"
     )
     assert [f.split("(")[0] for f in source.features] == [f"F.{f.pass_name}" for f in spec.features]
 

@@ -109,7 +109,11 @@ def test_transformers_5_keys_give_the_same_spec(model, tmp_path, capsys):
 BAD = [
     ("model_type", "gpt2", "model_type='gpt2' is not one axgen imports (it imports llama, mistral"),
     ("attention_bias", True, "attention_bias=True puts biases on all four attention projections"),
-    ("rope_scaling", {"rope_type": "yarn", "factor": 4.0}, "rope type 'yarn' is not one axgen implements"),
+    (
+        "rope_scaling",
+        {"rope_type": "dynamic", "factor": 4.0},
+        'rope_scaling.rope_type="dynamic" is not one axgen implements (default, llama3, linear, yarn)',
+    ),
     ("hidden_act", "gelu", "hidden_act='gelu' is an activation axgen's gated MLP does not use"),
     ("attention_dropout", 0.1, "attention_dropout=0.1 is dropout in attention"),
     ("shiny_new_key", 3, "shiny_new_key=3 is a key axgen's llama import does not know, so it stops"),

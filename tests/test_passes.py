@@ -32,9 +32,9 @@ def test_ir_after_each_pass(snapshot):
         "qk_norm",
         "quantize",
         "remat",
-        "rope",
         "sliding_window",
         "gemma_block",
+        "rope",
         "softcap",
     ]
     for name in order(list(features)):

@@ -123,7 +123,7 @@ BAD_SPECS = [
         "F.rope(theta=10_000.0)",
         "F.sliding_window(window=8, global_every=3)",
         14,
-        "SlidingWindow.global_every=3 does not divide Decoder.num_layers=2",
+        "SlidingWindow.global_every=3 is more than Decoder.num_layers=2",
     ),
     (
         "softcap_nothing",
@@ -188,7 +188,7 @@ BAD_SPECS = [
         "F.rope(theta=10_000.0)",
         "F.rope(10_000.0)",
         14,
-        "RoPE was given too many positional arguments (1, it takes 0); name its fields: theta, scaling",
+        "RoPE was given too many positional arguments (1, it takes 0); name its fields: theta, scaling, local_theta",
     ),
 ]
 

@@ -122,9 +122,10 @@ def topology(generation: str, chips: int) -> str:
 
 def topology_wrap(topology: str) -> tuple[bool, bool, bool]:
     """Which dimensions of a slice have wraparound links, as MaxText's accelerator_to_spec_map (and xpk) state them
-    for libtpu: a v4 or v5p slice is a full 3-D torus once every side is at least 4 (it is then made of whole
+    for libtpu: a v5p slice (as a v4 one) is a full 3-D torus once every side is at least 4 (it is then made of whole
     4x4x4 cubes, which the optical switches close into rings), a v5e or v6e side wraps at the pod's full 16 chips;
-    smaller slices are meshes. Compiled without them, XLA plans collectives for a mesh the chips do not form."""
+    smaller slices are meshes. Compiled without them, XLA plans collectives for a mesh the chips do not form.
+    """
     generation, shape = topology.split(":")
     sides = [int(side) for side in shape.split("x")]
     if generation == "v5p":

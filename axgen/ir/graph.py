@@ -255,14 +255,49 @@ class Graph:
         if source.repeat % every:
             raise GraphError(f"{source.name}: {source.repeat} layers do not split into groups of {every}")
         steps = source.repeat // every
-        copied = self.add_region(name, repeat=steps, function=function)
+        copied = self._copy_block(source, name, steps, function)
+        source.repeat -= steps
+        self.update(scan, blocks=(*scan.attrs.blocks, name), steps=steps)
+        return copied
+
+    def split_tail(self, scan: Node, count: int, name: str, function: str) -> Node:
+        """Gives the last `count` layers of a one-block `scan` a copy of the block, run by a scan of their own after
+        it, so that the layers before split into whole groups (Gemma 3 27B: 62 layers, 10 groups of 6 and 2 more
+        windowed ones). Returns the new scan."""
+        source = self.regions[scan.attrs.blocks[0]]
+        if len(scan.attrs.blocks) != 1 or not 0 < count < source.repeat:
+            raise GraphError(f"{scan}: cannot run the last {count} of {source.repeat} layers apart")
+        self._copy_block(source, name, count, function)
+        source.repeat -= count
+        self.update(scan, steps=source.repeat)
+        dag = self.regions[scan.region].dag
+        consumers = list(dag.out_edges(scan.name, keys=True))
+        if len(consumers) != 1:
+            raise GraphError(f"{scan}: its output has {len(consumers)} consumers, not one")
+        [(_, consumer, slot)] = consumers
+        inputs = self.inputs(scan)
+        tail = self.add(
+            scan.region,
+            name,
+            "scan",
+            {"x": scan, "positions": inputs["positions"], "segment_ids": inputs["segment_ids"]},
+            source=scan.source,
+            label=scan.label,
+            blocks=(name,),
+            steps=count,
+        )
+        dag.remove_edge(scan.name, consumer, key=slot)
+        dag.add_edge(tail.name, consumer, key=slot)
+        self._touch(self.node(scan.region, consumer))
+        return tail
+
+    def _copy_block(self, source: Region, name: str, repeat: int, function: str) -> Region:
+        copied = self.add_region(name, repeat=repeat, function=function)
         copied.attrs = copy.deepcopy(source.attrs)
         for node_name, data in source.dag.nodes(data=True):
             copied.dag.add_node(node_name, node=dataclasses.replace(data["node"], region=name))
         copied.dag.add_edges_from(source.dag.edges(keys=True))
         copied.output = source.output
-        source.repeat -= steps
-        self.update(scan, blocks=(*scan.attrs.blocks, name), steps=steps)
         return copied
 
     def insert_on_input(self, node: Node, slot: str, op: Op, **extra_inputs: Node) -> Node:

@@ -17,6 +17,7 @@ from axgen.spec.feature_configs import (
     REMAT_POLICIES,
     Feature,
     GemmaBlock,
+    LinearRopeScaling,
     MoE,
     QKNorm,
     QKVBias,
@@ -27,6 +28,7 @@ from axgen.spec.feature_configs import (
     RopeScaling,
     SlidingWindow,
     SoftCap,
+    YarnRopeScaling,
     features,
 )
 from axgen.spec.model import Model
@@ -43,6 +45,7 @@ __all__ = [
     "Feature",
     "GemmaBlock",
     "LayerNorm",
+    "LinearRopeScaling",
     "MLP",
     "MeshRule",
     "MoE",
@@ -59,5 +62,6 @@ __all__ = [
     "RopeScaling",
     "SpecError",
     "Train",
+    "YarnRopeScaling",
     "features",
 ]

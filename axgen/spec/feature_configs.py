@@ -87,6 +87,7 @@ class Feature(SpecNode):
 class RopeScaling(SpecNode):
     """Llama-3 frequency scaling: long wavelengths slowed by `factor`, short kept, a smooth band between."""
 
+    rule: typing.ClassVar[str] = "llama3"
     HF_KEYS = {
         "factor": "rope_scaling.factor",
         "low_freq_factor": "rope_scaling.low_freq_factor",
@@ -111,20 +112,80 @@ class RopeScaling(SpecNode):
 
 
 @dataclass(frozen=True, kw_only=True)
+class LinearRopeScaling(SpecNode):
+    """Linear position interpolation (HF's rope_type "linear"): every frequency divided by `factor`, as if the
+    positions were (Gemma 3's global layers at 4B and up: 8)."""
+
+    rule: typing.ClassVar[str] = "linear"
+    HF_KEYS = {"factor": "rope_scaling.factor"}
+    factor: float
+
+    def __str__(self) -> str:
+        return f"linear(factor={self.factor})"
+
+    def validate(self) -> None:
+        self.require_positive("factor")
+
+
+@dataclass(frozen=True, kw_only=True)
+class YarnRopeScaling(SpecNode):
+    """YaRN (HF's rope_type "yarn", as transformers' `_compute_yarn_parameters`): channel pairs that turn fewer
+    than `beta_slow` times over the original context are slowed by `factor`, those that turn more than
+    `beta_fast` times are kept, and a linear ramp over the pairs between blends the two; cos and sin are scaled
+    by `attention_factor`. `truncate` rounds the ramp's ends outwards to whole pairs. No field has a default: an
+    import states the values transformers takes for the keys a config leaves out."""
+
+    rule: typing.ClassVar[str] = "yarn"
+    HF_KEYS = {
+        "factor": "rope_scaling.factor",
+        "beta_fast": "rope_scaling.beta_fast",
+        "beta_slow": "rope_scaling.beta_slow",
+        "original_max_position": "rope_scaling.original_max_position_embeddings",
+        "attention_factor": "rope_scaling.attention_factor (or from mscale and mscale_all_dim)",
+        "truncate": "rope_scaling.truncate",
+    }
+    factor: float
+    beta_fast: float
+    beta_slow: float
+    original_max_position: int
+    attention_factor: float
+    truncate: bool
+
+    def __str__(self) -> str:
+        return (
+            f"yarn(factor={self.factor}, beta_fast={self.beta_fast}, beta_slow={self.beta_slow}, "
+            f"original_max_position={self.original_max_position}, attention_factor={self.attention_factor}, "
+            f"truncate={self.truncate})"
+        )
+
+    def validate(self) -> None:
+        self.require_positive("factor", "beta_fast", "beta_slow", "original_max_position", "attention_factor")
+        if self.beta_fast <= self.beta_slow:
+            self.fail("beta_fast", f"must be > beta_slow={self.beta_slow}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RoPE(Feature):
-    """Rotary position embeddings on queries and keys (rotate-half layout, as in HF Llama)."""
+    """Rotary position embeddings on queries and keys (rotate-half layout, as in HF Llama). `local_theta` is the
+    theta of the layers whose attention has a sliding window (Gemma 3: 10,000 there, `theta` 1,000,000 on its
+    global layers); `scaling` applies to the other layers only when it is set."""
 
     pass_name: typing.ClassVar[str] = "rope"
     HF_KEYS = {"theta": "rope_theta (transformers 5: rope_parameters.rope_theta)"}
     theta: float
-    scaling: RopeScaling | None = None
+    scaling: RopeScaling | LinearRopeScaling | YarnRopeScaling | None = None
+    local_theta: float | None = None
 
     def validate(self) -> None:
         self.require_positive("theta")
+        if self.local_theta is not None:
+            self.require_positive("local_theta")
 
     def check_model(self, model: Model) -> None:
         if model.decoder.attention.head_dim % 2:
             model.decoder.attention.fail("head_dim", "must be even for rope (it rotates pairs of channels)")
+        if self.local_theta is not None and model.feature("sliding_window") is None:
+            self.fail("local_theta", "is the theta of windowed layers, and the model has no sliding_window")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -273,7 +334,8 @@ class QKNorm(Feature):
 class SlidingWindow(Feature):
     """Each query attends to the last `window` positions, itself included (Mistral 7B v0.1: 4096; HF's
     `sliding_window`). With `global_every=k`, the last layer of each group of k keeps full attention: Gemma 2
-    alternates local and global layers with k=2."""
+    alternates local and global layers with k=2, Gemma 3 has k=6; layers after the last whole group are local
+    (Gemma 3 27B: 62 layers, the last 2)."""
 
     pass_name: typing.ClassVar[str] = "sliding_window"
     window: int
@@ -285,8 +347,8 @@ class SlidingWindow(Feature):
             self.fail("global_every", "must be >= 2 (or None: every layer local)")
 
     def check_model(self, model: Model) -> None:
-        if self.global_every and model.decoder.num_layers % self.global_every:
-            self.fail("global_every", f"does not divide Decoder.num_layers={model.decoder.num_layers}")
+        if self.global_every and model.decoder.num_layers < self.global_every:
+            self.fail("global_every", f"is more than Decoder.num_layers={model.decoder.num_layers}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -328,6 +390,8 @@ class features:  # noqa: N801 - a namespace, used as `features as F` in spec fil
 
     rope = RoPE
     rope_scaling = RopeScaling
+    rope_linear = LinearRopeScaling
+    rope_yarn = YarnRopeScaling
     moe = MoE
     remat = Remat
     quantize = Quantize
