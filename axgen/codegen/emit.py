@@ -87,7 +87,7 @@ def _context(env, graph: Graph, output_name: str) -> dict:
         "program": graph.attrs,
         "params_tree": _params_tree(graph),
         "helpers": _helpers(env, nodes, graph.attrs),
-        "blocks": [_block(env, graph, region) for region in graph.blocks()],
+        "blocks": _blocks(env, graph),
         "groups": groups,
         "regroup": any(call.per_step > 1 for group in groups for call in group["calls"]),
         "main_lines": _lines(env, graph, "main", param_root="params"),
@@ -163,6 +163,24 @@ def _op_imports(env, nodes: list[Node]) -> list[str]:
         str(module.imports(ops)) for module, ops in _by_template(env, nodes) if hasattr(module, "imports")
     ]
     return [line.strip() for text in declared for line in text.splitlines() if line.strip()]
+
+
+def _blocks(env, graph: Graph) -> list[dict]:
+    """Each layer function once. Blocks may share one (Gemma 3's windowed layers after its last whole group of six,
+    scanned apart with params of their own): they must print the same statements, and the function's docstring
+    counts the layers of them all."""
+    functions: dict[str, dict] = {}
+    for region in graph.blocks():
+        block = _block(env, graph, region)
+        first = functions.setdefault(block["function"], block)
+        if first is block:
+            continue
+        if {k: v for k, v in first.items() if k not in ("name", "repeat")} != {
+            k: v for k, v in block.items() if k not in ("name", "repeat")
+        }:
+            raise EmitError(f"blocks {first['name']} and {block['name']} share {block['function']} but differ")
+        first["repeat"] += block["repeat"]
+    return list(functions.values())
 
 
 def _block(env, graph: Graph, region) -> dict:

@@ -17,7 +17,8 @@ def sliding_window(g: Graph, cfg: SlidingWindow) -> None:
                 raise FeatureConflict("moe", f"{scan} already alternates {', '.join(local)}")
             tail = g.regions[local[0]].repeat % cfg.global_every
             if tail:  # the layers after the last whole group are windowed, and scanned apart
-                g.split_tail(scan, tail, f"tail_{local[0]}", "tail_decoder_layer")
+                # Scanned apart, they run the same layer function with params of their own.
+                g.split_tail(scan, tail, f"tail_{local[0]}", g.regions[local[0]].function)
                 local = (*local, f"tail_{local[0]}")
             g.split_block(scan, cfg.global_every, f"global_{local[0]}", "global_decoder_layer")
         for block in local:

@@ -287,64 +287,7 @@ REMAT_POLICY = jax.checkpoint_policies.nothing_saveable
 
 @functools.partial(jax.checkpoint, policy=REMAT_POLICY, prevent_cse=False)  # called only under scan
 def decoder_layer(x, p, positions, segment_ids):
-    """One of the 50 layers: x [batch, seq, embed] -> same. `p` holds this layer's params; `positions` and `segment_ids` [batch, seq] say where each token is in which document."""
-    # norm · specs/gemma3_27b.py: decoder.norm · changed by passes/gemma_block.py
-    attn_norm = rms_norm(x, 1.0 + p["attn_norm"], eps=1e-06)  # [batch, seq, embed=5376]
-    # attention · specs/gemma3_27b.py: decoder.attention
-    q = checkpoint_name(
-        jnp.einsum("bse,ehd->bshd", attn_norm, p["wq"]), "qkv_proj"
-    )  # [batch, seq, heads=32, head_dim=128]
-    k = checkpoint_name(
-        jnp.einsum("bse,ekd->bskd", attn_norm, p["wk"]), "qkv_proj"
-    )  # [batch, seq, kv_heads=16, head_dim=128]
-    v = checkpoint_name(
-        jnp.einsum("bse,ekd->bskd", attn_norm, p["wv"]), "qkv_proj"
-    )  # [batch, seq, kv_heads=16, head_dim=128]
-    # qk_norm · passes/qk_norm.py · specs/gemma3_27b.py: features.qk_norm · changed by passes/gemma_block.py
-    q_rms_norm = rms_norm(q, 1.0 + p["q_norm"], eps=1e-06)  # [batch, seq, heads=32, head_dim=128]
-    k_rms_norm = rms_norm(k, 1.0 + p["k_norm"], eps=1e-06)  # [batch, seq, kv_heads=16, head_dim=128]
-    # rope · passes/rope.py · specs/gemma3_27b.py: features.rope
-    q_rms_norm_rope = rope(q_rms_norm, positions, theta=10000.0)  # [batch, seq, heads=32, head_dim=128]
-    k_rms_norm_rope = rope(k_rms_norm, positions, theta=10000.0)  # [batch, seq, kv_heads=16, head_dim=128]
-    # attention · kernel splash, documents by segment ids (backends/tpu.py) · specs/gemma3_27b.py: decoder.attention · changed by passes/qk_norm.py, passes/sliding_window.py, passes/rope.py
-    attn = causal_attention(
-        q_rms_norm_rope, k_rms_norm_rope, v, segment_ids, window=1024, scale=0.07715167498104596
-    )  # [batch, seq, heads=32, head_dim=128]
-    # attention · specs/gemma3_27b.py: decoder.attention
-    attn_out = checkpoint_name(
-        jnp.einsum("bshd,hde->bse", attn, p["wo"]), "out_proj"
-    )  # [batch, seq, embed=5376]
-    # gemma_block · passes/gemma_block.py · specs/gemma3_27b.py: features.gemma_block
-    attn_out_rms_norm = rms_norm(
-        attn_out, 1.0 + p["post_attention_norm"], eps=1e-06
-    )  # [batch, seq, embed=5376]
-    # attention · specs/gemma3_27b.py: decoder.attention · changed by passes/gemma_block.py
-    x_attn = x + attn_out_rms_norm  # [batch, seq, embed=5376]
-    x_attn = constrain(x_attn, ("batch", "seq", "embed"))
-    # norm · specs/gemma3_27b.py: decoder.norm · changed by passes/gemma_block.py
-    mlp_norm = rms_norm(x_attn, 1.0 + p["mlp_norm"], eps=1e-06)  # [batch, seq, embed=5376]
-    # mlp · specs/gemma3_27b.py: decoder.mlp
-    gate = checkpoint_name(
-        jnp.einsum("bse,ef->bsf", mlp_norm, p["w_gate"]), "mlp_in"
-    )  # [batch, seq, mlp=21504]
-    up = checkpoint_name(jnp.einsum("bse,ef->bsf", mlp_norm, p["w_up"]), "mlp_in")  # [batch, seq, mlp=21504]
-    # gemma_block · passes/gemma_block.py · specs/gemma3_27b.py: features.gemma_block
-    hidden_geglu = jax.nn.gelu(gate, approximate=True) * up  # [batch, seq, mlp=21504]
-    # mlp · specs/gemma3_27b.py: decoder.mlp · changed by passes/gemma_block.py
-    mlp_out = checkpoint_name(
-        jnp.einsum("bsf,fe->bse", hidden_geglu, p["w_down"]), "mlp_out"
-    )  # [batch, seq, embed=5376]
-    # gemma_block · passes/gemma_block.py · specs/gemma3_27b.py: features.gemma_block
-    mlp_out_rms_norm = rms_norm(mlp_out, 1.0 + p["post_mlp_norm"], eps=1e-06)  # [batch, seq, embed=5376]
-    # mlp · specs/gemma3_27b.py: decoder.mlp · changed by passes/gemma_block.py
-    x_mlp = x_attn + mlp_out_rms_norm  # [batch, seq, embed=5376]
-    x_mlp = constrain(x_mlp, ("batch", "seq", "embed"))
-    return x_mlp
-
-
-@functools.partial(jax.checkpoint, policy=REMAT_POLICY, prevent_cse=False)  # called only under scan
-def tail_decoder_layer(x, p, positions, segment_ids):
-    """One of the 2 tail_layers: x [batch, seq, embed] -> same. `p` holds this layer's params; `positions` and `segment_ids` [batch, seq] say where each token is in which document."""
+    """One of the 52 layers: x [batch, seq, embed] -> same. `p` holds this layer's params; `positions` and `segment_ids` [batch, seq] say where each token is in which document."""
     # norm · specs/gemma3_27b.py: decoder.norm · changed by passes/gemma_block.py
     attn_norm = rms_norm(x, 1.0 + p["attn_norm"], eps=1e-06)  # [batch, seq, embed=5376]
     # attention · specs/gemma3_27b.py: decoder.attention
@@ -493,7 +436,7 @@ def forward_with_aux(params, tokens, segment_ids=None):
     )  # [batch, seq, embed=5376]
     # decoder · specs/gemma3_27b.py: decoder · changed by passes/sliding_window.py
     tail_layers, _ = jax.lax.scan(
-        lambda x, p: (tail_decoder_layer(x, p, positions, segment_ids), None), layers, params["tail_layers"]
+        lambda x, p: (decoder_layer(x, p, positions, segment_ids), None), layers, params["tail_layers"]
     )  # [batch, seq, embed=5376]
     # norm · specs/gemma3_27b.py: decoder.norm · changed by passes/sliding_window.py, passes/gemma_block.py
     final_norm = rms_norm(tail_layers, 1.0 + params["final_norm"], eps=1e-06)  # [batch, seq, embed=5376]
