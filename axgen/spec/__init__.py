@@ -12,6 +12,7 @@ without a spec file changing.
 
 from axgen.spec.architecture import ACTIVATIONS, MLP, Attention, Decoder, LayerNorm, RMSNorm
 from axgen.spec.feature_configs import (
+    AttentionSinks,
     FP8_SCALINGS,
     QUANTIZE_DTYPES,
     REMAT_POLICIES,
@@ -39,6 +40,7 @@ from axgen.spec.validation import Origin, SpecError, SpecNode, display_path, sug
 __all__ = [
     "AdamW",
     "Attention",
+    "AttentionSinks",
     "Decoder",
     "Feature",
     "GemmaBlock",

@@ -323,6 +323,15 @@ class GemmaBlock(Feature):
             model.decoder.fail("norm", "must be an RMSNorm for gemma_block")
 
 
+@dataclass(frozen=True, kw_only=True)
+class AttentionSinks(Feature):
+    """A learned logit per query head joins each query's softmax beside its keys' scores: it takes a share of the
+    probability mass and contributes no value, so a query may attend to nothing (gpt-oss's `self_attn.sinks`).
+    """
+
+    pass_name: typing.ClassVar[str] = "attention_sinks"
+
+
 class features:  # noqa: N801 - a namespace, used as `features as F` in spec files
     """Feature constructors for `Model.features`: `F.rope(theta=5e5, scaling=F.rope_scaling(factor=8.0))`."""
 
@@ -336,3 +345,4 @@ class features:  # noqa: N801 - a namespace, used as `features as F` in spec fil
     sliding_window = SlidingWindow
     softcap = SoftCap
     gemma_block = GemmaBlock
+    attention_sinks = AttentionSinks
