@@ -332,6 +332,14 @@ class AttentionSinks(Feature):
     pass_name: typing.ClassVar[str] = "attention_sinks"
 
 
+@dataclass(frozen=True, kw_only=True)
+class OutBias(Feature):
+    """A learned bias on the attention's output projection (HF `self_attn.o_proj.bias`), as gpt-oss has beside its
+    q, k and v biases (`attention_bias: true`)."""
+
+    pass_name: typing.ClassVar[str] = "out_bias"
+
+
 class features:  # noqa: N801 - a namespace, used as `features as F` in spec files
     """Feature constructors for `Model.features`: `F.rope(theta=5e5, scaling=F.rope_scaling(factor=8.0))`."""
 
@@ -346,3 +354,4 @@ class features:  # noqa: N801 - a namespace, used as `features as F` in spec fil
     softcap = SoftCap
     gemma_block = GemmaBlock
     attention_sinks = AttentionSinks
+    out_bias = OutBias
