@@ -340,6 +340,35 @@ class OutBias(Feature):
     pass_name: typing.ClassVar[str] = "out_bias"
 
 
+@dataclass(frozen=True, kw_only=True)
+class GptOssExperts(Feature):
+    """gpt-oss's routed experts on the MoE: the router adds a bias (HF `mlp.router.bias`), each expert's gate, up
+    and down projections add biases, and the activation is the clamped SwiGLU, gate = min(gate, limit),
+    up = clip(up, -limit, limit), out = (up + 1) * gate * sigmoid(alpha * gate) (HF `swiglu_alpha`,
+    `swiglu_limit`). Routing is the MoE's: top-k of the router's logits, softmax over the k chosen, which is
+    softmax-then-renormalise. The weights carry gpt-oss's HF names, whose fused `gate_up_proj` [experts, embed,
+    2 * hidden] interleaves the gate's and up's columns."""
+
+    pass_name: typing.ClassVar[str] = "gpt_oss_experts"
+    HF_KEYS = {"alpha": "swiglu_alpha", "limit": "swiglu_limit"}
+    alpha: float
+    limit: float
+
+    def validate(self) -> None:
+        self.require_positive("alpha", "limit")
+
+    def check_model(self, model: Model) -> None:
+        moe = model.feature("moe")
+        if moe is None:
+            self.fail("alpha", "applies to routed experts: the model has no F.moe")
+        elif not moe.renormalize:
+            moe.fail("renormalize", "must be True for gpt_oss_experts (softmax over the k chosen logits)")
+        if model.decoder.mlp.activation != "swiglu":
+            model.decoder.mlp.fail(
+                "activation", "must be swiglu for gpt_oss_experts, whose clamped SwiGLU replaces it"
+            )
+
+
 class features:  # noqa: N801 - a namespace, used as `features as F` in spec files
     """Feature constructors for `Model.features`: `F.rope(theta=5e5, scaling=F.rope_scaling(factor=8.0))`."""
 
@@ -355,3 +384,4 @@ class features:  # noqa: N801 - a namespace, used as `features as F` in spec fil
     gemma_block = GemmaBlock
     attention_sinks = AttentionSinks
     out_bias = OutBias
+    gpt_oss_experts = GptOssExperts
