@@ -112,7 +112,8 @@ def iter_hf_tensors(params: dict, spec: Model, dtype=None) -> Iterator[tuple[str
             index, count = param.hf.chunk or param.hf.interleave
             parts.setdefault(name, {})[index] = tensor
             if len(parts[name]) == count:
-                chunks = [parts.pop(name)[i] for i in range(count)]
+                done = parts.pop(name)
+                chunks = [done[i] for i in range(count)]
                 if param.hf.chunk is not None:
                     yield name, np.concatenate(chunks, axis=-2)
                 else:  # column j of part i is column j * count + i of the whole

@@ -2,14 +2,25 @@
 data, expert and model axes as on one device, and the capacity path with room for every token as the dropless.
 """
 
+import json
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
+from safetensors.numpy import save_file
+from tests.conftest import ROOT
 
 from axgen.build import build
+from axgen.cli import main as axgen
 from axgen.files import write_atomically
+from axgen.hf_export import hf_config, load_params
+from axgen.hf_families import dequantize_mxfp4
+from axgen.hf_import import import_config
 from axgen.interop import load_program
+from axgen.loader import load_spec
 from axgen.runtime.program import Program
 
 
@@ -84,3 +95,135 @@ def test_capacity_path_with_room_for_every_token_equals_dropless(tmp_path):
         "moe_layers": {**params["moe_layers"], "b_down": jnp.zeros_like(params["moe_layers"]["b_down"])},
     }
     assert not np.allclose(dropless.forward(unbiased, tokens), logits, atol=1e-4)
+
+
+# --- import, MXFP4 experts, convert-hf ----------------------------------------------------------------------------
+
+FIXTURES = ROOT / "tests/fixtures"
+
+
+def test_mxfp4_dequantization_equals_transformers():
+    """hf_mxfp4.npz: random blocks (every code in both nibbles) and scales across the e8m0 range, and what
+    transformers' convert_moe_packed_tensors makes of them, in bfloat16 (bit for bit) and float32."""
+    fixture = np.load(FIXTURES / "hf_mxfp4.npz")
+    bf16 = dequantize_mxfp4(fixture["blocks"], fixture["scales"], ml_dtypes.bfloat16, "w")
+    assert bf16.shape == fixture["float32"].shape == (3, 64, 10)
+    np.testing.assert_array_equal(bf16.view(np.int16), fixture["bfloat16_bits"])
+    np.testing.assert_array_equal(
+        dequantize_mxfp4(fixture["blocks"], fixture["scales"], np.float32, "w"), fixture["float32"]
+    )
+
+
+def hub_folder(tmp_path, **changes) -> Path:
+    """hf_gpt_oss_hub.npz as a checkpoint folder: the experts as the Hub stores gpt-oss's, MXFP4."""
+    tensors = dict(np.load(FIXTURES / "hf_gpt_oss_hub.npz")) | changes
+    tensors = {k: v for k, v in tensors.items() if v is not None}
+    (tmp_path / "hub").mkdir()
+    save_file(tensors, str(tmp_path / "hub/model.safetensors"))
+    return tmp_path / "hub"
+
+
+def convert(capsys, folder, out) -> tuple[int, str]:
+    code = axgen(["convert-hf", str(FIXTURES / "hf_gpt_oss_spec.py"), "--hf", str(folder), "--out", str(out)])
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def test_the_hubs_mxfp4_experts_convert_to_hfs_logits(tmp_path, capsys):
+    code, output = convert(capsys, hub_folder(tmp_path), tmp_path / "ckpt")
+    assert code == 0, output
+    built = build(FIXTURES / "hf_gpt_oss_spec.py", "cpu-1")
+    write_atomically(tmp_path / "program.py", built.source)
+    program = load_program(tmp_path / "program.py")
+    fixture = np.load(FIXTURES / "hf_gpt_oss.npz")
+    logits = program.forward(load_params(tmp_path / "ckpt"), fixture["input_ids"])
+    np.testing.assert_allclose(np.asarray(logits), fixture["logits"], atol=1e-4, rtol=1e-4)
+
+
+BAD_MXFP4 = [
+    (
+        {"model.layers.0.mlp.experts.down_proj_blocks": np.zeros((4, 64, 1, 8), np.uint8)},
+        "model.layers.0.mlp.experts.down_proj_blocks uint8[4, 64, 1, 8] with model.layers.0.mlp.experts."
+        "down_proj_scales uint8[4, 64, 1] are not MXFP4 experts",
+    ),
+    (
+        {"model.layers.1.mlp.experts.gate_up_proj_scales": None},
+        "holds 'model.layers.1.mlp.experts.gate_up_proj_blocks' without 'model.layers.1.mlp.experts."
+        "gate_up_proj_scales', its MXFP4 other half",
+    ),
+    (
+        {
+            "model.layers.0.mlp.experts.down_proj_blocks": np.zeros((4, 32, 2, 16), np.uint8),
+            "model.layers.0.mlp.experts.down_proj_scales": np.zeros((4, 32, 2), np.uint8),
+        },
+        "tensor 'model.layers.0.mlp.experts.down_proj' has shape [4, 64, 32]; param w_down needs [4, 32, 64]",
+    ),
+    (
+        {"model.layers.2.mlp.experts.down_proj_scales": np.full((4, 64, 1), 255, np.uint8)},
+        "model.layers.2.mlp.experts.down_proj_scales make",
+    ),
+]
+
+
+@pytest.mark.parametrize(("changes", "message"), BAD_MXFP4, ids=["blocks", "no_scales", "transposed", "nan"])
+def test_bad_mxfp4_blocks_or_scales_stop_in_one_line(changes, message, tmp_path, capsys):
+    code, output = convert(capsys, hub_folder(tmp_path, **changes), tmp_path / "ckpt")
+    assert code == 2 and message in output and output.count("\n") == 1, output
+    assert not (tmp_path / "ckpt").exists()
+
+
+def fixture_config() -> dict:
+    return json.loads(str(np.load(FIXTURES / "hf_gpt_oss.npz")["config"]))
+
+
+BAD_CONFIGS = [
+    ({"attention_bias": False}, "attention_bias=False leaves out gpt-oss's attention biases"),
+    (
+        {"quantization_config": {"quant_method": "gptq"}},
+        'quantization_config.quant_method="gptq" is not a storage',
+    ),
+    (
+        {"quantization_config": {"quant_method": "mxfp4", "group_size": 64}},
+        "quantization_config.group_size=64 is not a key axgen's mxfp4 reading knows",
+    ),
+    ({"experts_per_token": 3}, "experts_per_token=3 differs from num_experts_per_tok=2"),
+    ({"sliding_window": None}, "sliding_window=null leaves gpt-oss's sliding layers without a window"),
+    (
+        {"layer_types": ["full_attention"] * 4},
+        "layer_types=['full_attention', 'full_attention', 'full_attention'",
+    ),
+    ({"swiglu_limit": 0}, "swiglu_limit=0 is not a finite number > 0"),
+    (
+        {"rope_parameters": None, "rope_scaling": None, "rope_theta": 10_000.0},
+        "rope_scaling=null: transformers' gpt-oss takes its default YaRN",
+    ),
+]
+
+
+@pytest.mark.parametrize(("changes", "message"), BAD_CONFIGS, ids=[next(iter(c)) for c, _ in BAD_CONFIGS])
+def test_a_gpt_oss_key_axgen_cannot_honour_stops_the_import(changes, message, tmp_path, capsys):
+    config = {
+        k: v for k, v in (fixture_config() | changes).items() if k != "rope_parameters" or v is not None
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code = axgen(["import-hf", str(tmp_path / "config.json"), "--out", str(tmp_path / "specs/out.py")])
+    output = capsys.readouterr().err
+    assert code == 2 and message in output and output.count("\n") == 1, output
+    assert not (tmp_path / "specs").exists()
+
+
+def test_the_written_config_imports_back_and_transformers_keys_are_all_read():
+    config = hf_config(load_spec(FIXTURES / "hf_gpt_oss_spec.py"), "float32")
+    assert config["rope_parameters"] == {"rope_type": "default", "rope_theta": 10_000.0}
+    assert "rope_theta" not in config and "rope_scaling" not in config
+    source, read = import_config(config, "exported/config.json")
+    assert not read.unaccounted()
+    assert [f.split("(")[0] for f in source.features] == [
+        "F.rope",
+        "F.qkv_bias",
+        "F.out_bias",
+        "F.attention_sinks",
+        "F.sliding_window",
+        "F.moe",
+        "F.gpt_oss_experts",
+    ]

@@ -32,6 +32,7 @@ FAMILIES = [
     "hf_mistral_window",
     "hf_gemma2",
     "hf_qwen2_moe",
+    "hf_gpt_oss",  # its Hub layout is the fused one, its experts in MXFP4 (tests/test_gpt_oss.py)
 ]
 MOE = ["hf_mixtral", "hf_qwen2_moe"]
 # (fixture, expert layout): the Hub's one tensor per expert, as save_pretrained writes it (<name>_hub.npz), and

@@ -52,7 +52,7 @@ def test_converter_reads_safetensors_files(tmp_path):
 
 
 # One tiny model per family that adds a feature to Llama; each fixture's spec is tests/fixtures/<name>_spec.py.
-ARCHITECTURES = ["hf_qwen2", "hf_qwen3", "hf_mistral_window", "hf_gemma2", "hf_qwen2_moe"]
+ARCHITECTURES = ["hf_qwen2", "hf_qwen3", "hf_mistral_window", "hf_gemma2", "hf_qwen2_moe", "hf_gpt_oss"]
 
 
 @pytest.mark.parametrize("spec_from", ["hand-written", "import-hf"])
