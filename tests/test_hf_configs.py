@@ -11,7 +11,9 @@ from tests.conftest import ROOT
 
 from axgen.build import lowered
 from axgen.cli import main as axgen
+from axgen.ir import cost, from_spec
 from axgen.loader import load_spec
+from axgen.passes import run_passes
 
 CORPUS = ROOT / "tests/fixtures/hf_configs/published"
 SOURCES = json.loads((CORPUS / "sources.json").read_text())
@@ -63,7 +65,7 @@ TRANSFORMERS_PARAMS = {
 REFUSED = {"qwen3-30b-a3b": "model_type='qwen3_moe' is not one axgen imports"}
 # gpt-oss stops at its YaRN RoPE until axgen implements it. transformers 5.23.0's counts (count_hf_params.py: the
 # experts built in the model dtype, the dequantized model, not the Hub's MXFP4) are what the import must give then;
-# YaRN has no parameters, so the bundled specs (specs/gpt_oss_*.py), whose RoPE is the default one, have them now.
+# YaRN has no parameters, so the configs with the default RoPE in its place give them now.
 YARN = "rope type 'yarn' is not one axgen implements"
 REFUSED |= {"gpt-oss-20b": YARN, "gpt-oss-120b": YARN}
 YARN_PENDING_PARAMS = {"gpt-oss-20b": 20_914_757_184, "gpt-oss-120b": 116_829_156_672}
@@ -93,3 +95,27 @@ def test_a_published_config_axgen_cannot_honour_is_refused_in_one_line(slug, tmp
     error = capsys.readouterr().err
     assert code == 2 and error.startswith(f"axgen: error: {CORPUS / slug}.json: {REFUSED[slug]}"), error
     assert error.count("\n") == 1 and not (tmp_path / "spec.py").exists()
+
+
+@pytest.mark.parametrize("slug", sorted(YARN_PENDING_PARAMS))
+def test_gpt_oss_with_the_default_rope_for_yarn_is_the_bundled_spec(slug, tmp_path, capsys):
+    """The published config with `rope_scaling` the default RoPE imports with transformers' count of the published
+    one, as the bundled spec, whose only difference from the published model is that RoPE."""
+    config = json.loads((CORPUS / f"{slug}.json").read_text()) | {"rope_scaling": {"rope_type": "default"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code = axgen(["import-hf", str(tmp_path / "config.json"), "--out", str(tmp_path / "spec.py")])
+    output = capsys.readouterr()
+    assert code == 0, output.err
+    assert f", {YARN_PENDING_PARAMS[slug]:,} parameters" in output.out
+    imported = load_spec(tmp_path / "spec.py")
+    bundled = load_spec(ROOT / "specs" / f"{slug.replace('-', '_')}.py")
+    assert (imported.vocab_size, imported.d_model, imported.tie_embeddings, imported.decoder) == (
+        bundled.vocab_size,
+        bundled.d_model,
+        bundled.tie_embeddings,
+        bundled.decoder,
+    )
+    assert imported.features == bundled.features
+    graph = from_spec(bundled)
+    run_passes(graph, bundled.features)
+    assert cost.num_params(graph) == YARN_PENDING_PARAMS[slug]
