@@ -17,7 +17,7 @@ spec = gpt_oss_20b.replace(
     ],
     targets=["gpu-h100-64", "tpu-v5p-256", "cpu-8"],
     # 116.8B parameters with Adam moments are 1.4 TB: sharded over all 64 GPUs, not 8 per host as the backend's rule
-    # does; one sequence per pass and full remat, as gpt-oss-20b needs on 8.
+    # does; one sequence per pass and full remat, as gpt-oss-20b needs on 8: AOT peak 62.7 of 75.2 GiB.
     mesh_rules=[
         MeshRule(
             r"gpu-h100-\d+",
