@@ -60,7 +60,10 @@ def hf_config(spec: Model, dtype: str) -> dict:
     }
     # Qwen2's q, k and v biases are implied by its model type; the others say they have none.
     no_bias = {} if name in ("qwen2", "qwen2_moe") else {"attention_bias": False}
-    return config | no_bias | FAMILY_KEYS[name](spec)
+    config = config | no_bias | FAMILY_KEYS[name](spec)
+    if "rope_parameters" in config:  # a family that must state its RoPE in transformers 5's key (gpt-oss)
+        del config["rope_theta"], config["rope_scaling"]
+    return config
 
 
 def _max_position(spec: Model) -> int:
@@ -226,6 +229,39 @@ def _query_pre_attn_scalar(attention) -> int:
     return scalar
 
 
+def _gpt_oss(spec: Model) -> dict:
+    """gpt-oss in transformers 5's keys: its config class turns a missing or null `rope_scaling` into YaRN, so the
+    RoPE is stated as `rope_parameters`."""
+    window, moe, experts = (
+        spec.feature("sliding_window"),
+        spec.feature("moe"),
+        spec.feature("gpt_oss_experts"),
+    )
+    if window is None or window.global_every != 2:
+        raise CheckpointError(
+            f"{spec.origin}: gpt-oss in HF alternates windowed and full layers (global_every=2)"
+        )
+    if moe.capacity_factor is not None or moe.every != 1:
+        raise CheckpointError(f"{moe.origin}: gpt-oss in HF routes every layer dropless")
+    rope = spec.feature("rope")
+    return {
+        "rope_parameters": {
+            "rope_theta": rope.theta,
+            **(_rope_scaling(rope.scaling) or {"rope_type": "default"}),
+        },
+        "attention_bias": True,
+        "sliding_window": window.window,
+        "layer_types": [
+            "full_attention" if layer % 2 else "sliding_attention" for layer in range(spec.decoder.num_layers)
+        ],
+        "num_local_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "router_aux_loss_coef": moe.aux_loss_weight or 0.0,
+        "swiglu_alpha": experts.alpha,
+        "swiglu_limit": experts.limit,
+    }
+
+
 FAMILY_KEYS = {
     "llama": lambda spec: {},
     "mistral": _mistral,
@@ -236,6 +272,7 @@ FAMILY_KEYS = {
     "qwen3_moe": _qwen3_moe,
     "gemma2": _gemma2,
     "gemma3_text": _gemma3_text,
+    "gpt_oss": _gpt_oss,
 }
 
 
