@@ -135,17 +135,9 @@ def _qwen2_moe(spec: Model) -> dict:
     moe = spec.feature("moe")
     if not moe.shared_gate or moe.capacity_factor is not None:
         raise CheckpointError(f"{moe.origin}: Qwen2-MoE in HF gates its shared expert and routes dropless")
-    return {
-        "use_sliding_window": False,
+    return _qwen_routing(spec) | {
         "intermediate_size": moe.shared_hidden_dim,
-        "moe_intermediate_size": spec.decoder.mlp.hidden_dim,
         "shared_expert_intermediate_size": moe.shared_hidden_dim,
-        "num_experts": moe.num_experts,
-        "num_experts_per_tok": moe.top_k,
-        "norm_topk_prob": moe.renormalize,
-        "decoder_sparse_step": moe.every,
-        "mlp_only_layers": [],
-        "router_aux_loss_coef": moe.aux_loss_weight or 0.0,
     }
 
 
@@ -153,6 +145,12 @@ def _qwen3_moe(spec: Model) -> dict:
     moe = spec.feature("moe")
     if moe.shared_hidden_dim or moe.capacity_factor is not None:
         raise CheckpointError(f"{moe.origin}: Qwen3-MoE in HF has no shared expert and routes dropless")
+    return _qwen_routing(spec)
+
+
+def _qwen_routing(spec: Model) -> dict:
+    """The routed experts in the keys Qwen2-MoE and Qwen3-MoE share."""
+    moe = spec.feature("moe")
     return {
         "use_sliding_window": False,
         "moe_intermediate_size": spec.decoder.mlp.hidden_dim,

@@ -69,6 +69,16 @@ _LLAMA = {
     "max_position_embeddings": 2048,
     "rope_interleaved": False,
 }
+# What transformers' Qwen2-MoE and Qwen3-MoE config classes give the keys they share.
+_QWEN_MOE = {
+    "use_sliding_window": False,
+    "sliding_window": 4096,
+    "max_window_layers": 28,
+    "decoder_sparse_step": 1,
+    "norm_topk_prob": False,
+    "mlp_only_layers": [],
+    "router_aux_loss_coef": 0.001,
+}
 DEFAULTS: dict[str, dict] = {
     "llama": _LLAMA,
     "mistral": _LLAMA | {"sliding_window": 4096, "max_position_embeddings": 32_768},
@@ -89,28 +99,8 @@ DEFAULTS: dict[str, dict] = {
         "use_mrope": False,
     },
     "qwen3": _LLAMA | {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28},
-    "qwen2_moe": _LLAMA
-    | {
-        "qkv_bias": True,
-        "use_mrope": False,
-        "use_sliding_window": False,
-        "sliding_window": 4096,
-        "max_window_layers": 28,
-        "decoder_sparse_step": 1,
-        "norm_topk_prob": False,
-        "mlp_only_layers": [],
-        "router_aux_loss_coef": 0.001,
-    },
-    "qwen3_moe": _LLAMA
-    | {
-        "use_sliding_window": False,
-        "sliding_window": 4096,
-        "max_window_layers": 28,
-        "decoder_sparse_step": 1,
-        "norm_topk_prob": False,
-        "mlp_only_layers": [],
-        "router_aux_loss_coef": 0.001,
-    },
+    "qwen2_moe": _LLAMA | {"qkv_bias": True, "use_mrope": False} | _QWEN_MOE,
+    "qwen3_moe": _LLAMA | _QWEN_MOE,
     "gemma2": _LLAMA
     | {
         "hidden_activation": "gelu_pytorch_tanh",
