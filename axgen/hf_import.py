@@ -112,55 +112,56 @@ DEFAULTS: dict[str, dict] = {
         "final_logit_softcapping": 30.0,
         "max_position_embeddings": 8192,
     },
-}
-# Gemma3TextConfig's defaults (transformers 5.23), with the 4.x keys published configs still carry.
-DEFAULTS["gemma3_text"] = _LLAMA | {
-    "vocab_size": 262_208,
-    "hidden_size": 2304,
-    "intermediate_size": 9216,
-    "num_hidden_layers": 26,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 256,
-    "hidden_activation": "gelu_pytorch_tanh",
-    "max_position_embeddings": 131_072,
-    "tie_word_embeddings": True,
-    "query_pre_attn_scalar": 256,
-    "sliding_window": 4096,
-    "sliding_window_pattern": 6,
-    "attn_logit_softcapping": None,
-    "final_logit_softcapping": None,
-    "use_bidirectional_attention": False,
-    "rope_theta": 1_000_000.0,
-    "rope_local_base_freq": 10_000.0,
-}
-
-
-# transformers 5.23's GptOssConfig; a config without RoPE keys gets its YaRN.
-DEFAULTS["gpt_oss"] = _LLAMA | {
-    "num_key_value_heads": 8,
-    "head_dim": 64,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 150_000.0,
-    "rope_scaling": {
-        "rope_type": "yarn",
-        "factor": 32.0,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "truncate": False,
-        "original_max_position_embeddings": 4096,
+    # Gemma3TextConfig's defaults (transformers 5.23), with the 4.x keys published configs still carry.
+    "gemma3_text": _LLAMA
+    | {
+        "vocab_size": 262_208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131_072,
+        "tie_word_embeddings": True,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "sliding_window_pattern": 6,
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "use_bidirectional_attention": False,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
     },
-    "attention_bias": True,
-    "max_position_embeddings": 131_072,
-    "sliding_window": 128,
-    "num_local_experts": 128,
-    "num_experts_per_tok": 4,
-    "router_aux_loss_coef": 0.001,
-    "swiglu_alpha": 1.702,
-    "swiglu_limit": 7.0,
-    "quantization_config": None,
-    "experts_per_token": None,  # the original (non-HF) checkpoint's name for num_experts_per_tok
-    "initial_context_length": None,  # the original checkpoint's name for YaRN's original context
+    # transformers 5.23's GptOssConfig; a config without RoPE keys gets its YaRN.
+    "gpt_oss": _LLAMA
+    | {
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 150_000.0,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        "attention_bias": True,
+        "max_position_embeddings": 131_072,
+        "sliding_window": 128,
+        "num_local_experts": 128,
+        "num_experts_per_tok": 4,
+        "router_aux_loss_coef": 0.001,
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+        "quantization_config": None,
+        "experts_per_token": None,  # the original (non-HF) checkpoint's name for num_experts_per_tok
+        "initial_context_length": None,  # the original checkpoint's name for YaRN's original context
+    },
+    "gemma3": {},  # an image-text config: its text_config is read as a gemma3_text config
 }
 
 
@@ -752,7 +753,6 @@ MULTIMODAL_KEYS = frozenset(
         "eoi_token_id",
     }
 )
-DEFAULTS["gemma3"] = {}
 
 
 def gpt_oss(c: Config) -> SpecSource:
