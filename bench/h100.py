@@ -50,7 +50,7 @@ from axgen.specs.{base} import spec as base
 spec = base.replace(
     name="{name}",
     decoder=base.decoder.replace({layers}),
-    {features}train=base.train.replace(seq_len={seq_len}, global_batch={batch}, steps=1000, checkpoint_every=1000),
+    {features}train=base.train.replace(seq_len={seq_len}, global_batch={batch}, steps=1000, warmup_steps=10, checkpoint_every=1000),
     targets=["{target}"],
     mesh_rules=[],
 )
