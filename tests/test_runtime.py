@@ -124,3 +124,45 @@ def test_the_cross_entropy_equals_optax_in_value_and_gradient_and_keeps_one_logi
         return step.lower(x, w, tokens).compile().memory_analysis().temp_size_in_bytes
 
     assert temporaries(optax_form) - temporaries(cross_entropy) >= 128 * 2**20
+
+
+def test_replicas_sum_their_own_passes_and_the_step_equals_one_pass_over_the_batch(tmp_path):
+    """On a mesh of 4 data replicas x 2 fsdp shards, 2 passes a step: each replica accumulates its own passes'
+    gradients (runtime.gradients' shard_map over `data`) and the replicas meet once. Loss, metrics and every
+    gradient equal value_and_grad of the loss over the whole batch in one pass on one device."""
+    import jax
+    import numpy as np
+
+    from axgen.build import build
+    from axgen.files import write_atomically
+    from axgen.interop import load_program
+    from axgen.runtime import gradients
+    from axgen.runtime.program import Program
+    from axgen.runtime.sharding import replica_axes
+
+    spec = tmp_path / "replicas.py"
+    spec.write_text(
+        "from specs.llama_tiny import spec as tiny\nfrom axgen.spec import MeshRule\n"
+        "spec = tiny.replace(mesh_rules=[MeshRule('cpu-8', {'data': 4, 'fsdp': 2}, microbatch=1, "
+        "why='two passes of one sequence per device')])\n"
+    )
+    write_atomically(tmp_path / "program.py", build(spec, "cpu-8").source)
+    module = load_program(tmp_path / "program.py")
+    program = Program.from_module(module)
+    assert program.accumulation_steps(16) == 2
+    assert replica_axes(module.LOGICAL_AXIS_RULES, dict(program.mesh_shape)) == ("data",)
+    params = jax.jit(program.init_params)(jax.random.key(0))
+    tokens = np.random.default_rng(0).integers(1, 256, (16, 129)).astype(np.int32)
+    batch = (tokens, np.ones_like(tokens), np.ones_like(tokens))
+    expected = jax.jit(jax.value_and_grad(module.loss_fn, has_aux=True))(params, *batch)
+
+    mesh = program.make_mesh(jax.devices()[:8])
+    with jax.set_mesh(mesh):
+        step = jax.jit(
+            lambda p, b: gradients(
+                module.loss_fn, p, b, module.MICROBATCH, module.PARAMS, module.LOGICAL_AXIS_RULES
+            )
+        )
+        got = step(params, batch)
+    for want, have in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(np.asarray(have), np.asarray(want), rtol=2e-5, atol=1e-7)

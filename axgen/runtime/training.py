@@ -1,14 +1,16 @@
 """The parts of a train step every program shares: gradients over microbatches, and an optimizer update that
 leaves statistics untrained and skips a non-finite step."""
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from axgen.runtime.params import is_param_spec
-from axgen.runtime.sharding import constrain, logical_to_mesh
+from axgen.runtime.sharding import constrain, logical_to_mesh, replica_axes
 
 
 class BatchSplitError(ValueError):
@@ -43,10 +45,46 @@ def gradients(loss_fn, params, batch, microbatch: int, specs, rules: dict):
     sequences per device: with more rows than one pass takes, they are summed over the passes, which lax.scan runs
     one after another, so only one pass's activations are alive at a time. Row i goes to pass i % passes: every
     pass takes rows from every device, and no tokens move. The number of passes follows from the batch (`--batch`),
-    so a larger batch keeps the pass the spec's rule sized and takes more of them."""
+    so a larger batch keeps the pass the spec's rule sized and takes more of them.
+
+    Over several passes, the devices along the `replica_axes` (data parallelism; slices, whose links are the
+    data-centre network) sum their own passes' gradients apart and reduce them once, after the last pass: a
+    reduction per pass would cross those links `passes` times a step."""
     accum_steps = _accumulation_steps(batch, microbatch, rules)
     if accum_steps == 1:
         return jax.value_and_grad(loss_fn, has_aux=True)(params, *batch)
+    mesh = jax.sharding.get_abstract_mesh()
+    replicas = () if mesh.empty else replica_axes(rules, dict(mesh.shape))
+    accumulate = functools.partial(_accumulated, loss_fn, accum_steps=accum_steps, specs=specs, rules=rules)
+    if not replicas:
+        return accumulate(params, batch)
+
+    def on_replica(params, batch):
+        values, grads = accumulate(params, batch)
+        # Each replica's sums are means over its own rows: the batch's are their mean (statistics: their maximum).
+        values = jax.lax.pmean(values, replicas)
+        grads = jax.tree.map(
+            lambda g, spec: jax.lax.pmean(g, replicas) if spec.trained else jax.lax.pmax(g, replicas),
+            grads,
+            specs,
+            is_leaf=is_param_spec,
+        )
+        return values, grads
+
+    # Unchecked: with shard_map's replication types, each pass's gradient of the replicated params would be
+    # summed over the replicas where it is made (the transpose of their broadcast), once per pass.
+    return jax.shard_map(
+        on_replica,
+        mesh=mesh,
+        in_specs=(P(), P(replicas)),
+        out_specs=P(),
+        axis_names=set(replicas),
+        check_vma=False,
+    )(params, batch)
+
+
+def _accumulated(loss_fn, params, batch, accum_steps: int, specs, rules: dict):
+    """`gradients` summed over `accum_steps` passes of the batch's rows, one after another."""
     microbatches = _microbatches(batch, accum_steps)
     # Each microbatch counts 1/accum_steps, so the sums are means over the batch, gradients included (means of
     # the microbatches' means: exact when they count the same number of targets).
