@@ -40,6 +40,11 @@ def hf_config(spec: Model, dtype: str) -> dict:
     """config.json of the spec, in its family's transformers 4.x keys (which transformers 5 reads too)."""
     name = family(spec)
     attention, rope = spec.decoder.attention, spec.feature("rope")
+    if rope.rotary_dim is not None or rope.interleaved:
+        raise CheckpointError(
+            f"{rope.origin}: RoPE.rotary_dim={rope.rotary_dim}, interleaved={rope.interleaved}: "
+            "no family axgen exports rotates part of a head or adjacent pairs"
+        )
     config = {
         "architectures": [ARCHITECTURES[name]],
         "model_type": name,

@@ -168,22 +168,34 @@ class YarnRopeScaling(SpecNode):
 class RoPE(Feature):
     """Rotary position embeddings on queries and keys (rotate-half layout, as in HF Llama). `local_theta` is the
     theta of the layers whose attention has a sliding window (Gemma 3: 10,000 there, `theta` 1,000,000 on its
-    global layers); `scaling` applies to the other layers only when it is set."""
+    global layers); `scaling` applies to the other layers only when it is set. `rotary_dim`: only the last
+    rotary_dim channels of each query and key head rotate, the others carry no position (DeepSeek's
+    qk_rope_head_dim); `interleaved`: the rotated pairs are adjacent channels (2i, 2i + 1), as DeepSeek's
+    checkpoints need (transformers' deepseek_v2 multiplies adjacent pairs as complex numbers; deepseek_v3's
+    `rope_interleave`), not the halves of HF Llama's rotate-half."""
 
     pass_name: typing.ClassVar[str] = "rope"
     HF_KEYS = {"theta": "rope_theta (transformers 5: rope_parameters.rope_theta)"}
     theta: float
     scaling: RopeScaling | LinearRopeScaling | YarnRopeScaling | None = None
     local_theta: float | None = None
+    rotary_dim: int | None = None
+    interleaved: bool = False
 
     def validate(self) -> None:
         self.require_positive("theta")
         if self.local_theta is not None:
             self.require_positive("local_theta")
+        if self.rotary_dim is not None:
+            self.require_positive("rotary_dim")
+            if self.rotary_dim % 2:
+                self.fail("rotary_dim", "must be even (rope rotates pairs of channels)")
 
     def check_model(self, model: Model) -> None:
         if model.decoder.attention.head_dim % 2:
             model.decoder.attention.fail("head_dim", "must be even for rope (it rotates pairs of channels)")
+        if self.rotary_dim is not None and self.rotary_dim > model.decoder.attention.head_dim:
+            self.fail("rotary_dim", f"is more than the heads' head_dim={model.decoder.attention.head_dim}")
         if self.local_theta is not None and model.feature("sliding_window") is None:
             self.fail("local_theta", "is the theta of windowed layers, and the model has no sliding_window")
 
