@@ -40,6 +40,11 @@ def hf_config(spec: Model, dtype: str) -> dict:
     """config.json of the spec, in its family's transformers 4.x keys (which transformers 5 reads too)."""
     name = family(spec)
     attention, rope = spec.decoder.attention, spec.feature("rope")
+    moe = spec.feature("moe")
+    if moe is not None and moe.routed_scale is not None:
+        raise CheckpointError(
+            f"{moe.origin}: MoE.routed_scale={moe.routed_scale}: no family axgen exports scales its routed experts"
+        )
     if rope.rotary_dim is not None or rope.interleaved:
         raise CheckpointError(
             f"{rope.origin}: RoPE.rotary_dim={rope.rotary_dim}, interleaved={rope.interleaved}: "

@@ -18,6 +18,7 @@ class MoEAttrs(Attrs):
     capacity_factor: float | None = None
     activation: str
     renormalize: bool = True  # whether the top-k routing weights are rescaled to sum to 1
+    routed_scale: float | None = None  # what the top-k routing weights are multiplied by (DeepSeek)
     aux: tuple[str, ...] = ()  # auxiliary outputs: losses, and metrics such as the dropped fraction
     aux_weights: tuple[tuple[str, float], ...] = ()  # loss name -> its weight in the training loss
     # Set by the target's lowering: the grouped matmul kernel of the dropless path and its tiles, or why the
@@ -88,6 +89,7 @@ def moe(g: Graph, cfg: MoE) -> None:
             capacity_factor=cfg.capacity_factor,
             activation=next(n.op for n in mlp.nodes if n.op in ("swiglu", "gelu")),
             renormalize=cfg.renormalize,
+            routed_scale=cfg.routed_scale,
             aux=aux,
             aux_weights=tuple(losses.items()),
         )

@@ -213,6 +213,7 @@ class MoE(Feature):
 
     `shared_hidden_dim` adds a shared expert that every token takes: the decoder's MLP at that width, added to
     the routed experts' output (DeepSeek-MoE), scaled by sigmoid(x . w) when `shared_gate` (Qwen2-MoE).
+    `routed_scale` multiplies the routed experts' weights, so their output (DeepSeek's `routed_scaling_factor`).
     """
 
     pass_name: typing.ClassVar[str] = "moe"
@@ -221,6 +222,7 @@ class MoE(Feature):
         "top_k": "num_experts_per_tok",
         "renormalize": "norm_topk_prob (Mixtral: true)",
         "aux_loss_weight": "router_aux_loss_coef",
+        "routed_scale": "routed_scaling_factor (DeepSeek)",
     }
     num_experts: int
     top_k: int
@@ -231,9 +233,12 @@ class MoE(Feature):
     router_z_loss_weight: float | None = None
     shared_hidden_dim: int | None = None
     shared_gate: bool = False
+    routed_scale: float | None = None
 
     def validate(self) -> None:
         self.require_positive("top_k", "every")
+        if self.routed_scale is not None:
+            self.require_positive("routed_scale")
         if self.shared_hidden_dim is not None:
             self.require_positive("shared_hidden_dim")
         elif self.shared_gate:
