@@ -70,7 +70,10 @@ def hf_config(spec: Model, dtype: str) -> dict:
     }
     # Qwen2's q, k and v biases are implied by its model type; the others say they have none.
     no_bias = {} if name in ("qwen2", "qwen2_moe") else {"attention_bias": False}
-    return config | no_bias | FAMILY_KEYS[name](spec)
+    config = config | no_bias | FAMILY_KEYS[name](spec)
+    if "rope_parameters" in config:  # a family that must state its RoPE in transformers 5's key (gpt-oss)
+        del config["rope_theta"], config["rope_scaling"]
+    return config
 
 
 def _max_position(spec: Model) -> int:
@@ -142,17 +145,9 @@ def _qwen2_moe(spec: Model) -> dict:
     moe = spec.feature("moe")
     if not moe.shared_gate or moe.capacity_factor is not None:
         raise CheckpointError(f"{moe.origin}: Qwen2-MoE in HF gates its shared expert and routes dropless")
-    return {
-        "use_sliding_window": False,
+    return _qwen_routing(spec) | {
         "intermediate_size": moe.shared_hidden_dim,
-        "moe_intermediate_size": spec.decoder.mlp.hidden_dim,
         "shared_expert_intermediate_size": moe.shared_hidden_dim,
-        "num_experts": moe.num_experts,
-        "num_experts_per_tok": moe.top_k,
-        "norm_topk_prob": moe.renormalize,
-        "decoder_sparse_step": moe.every,
-        "mlp_only_layers": [],
-        "router_aux_loss_coef": moe.aux_loss_weight or 0.0,
     }
 
 
@@ -160,6 +155,12 @@ def _qwen3_moe(spec: Model) -> dict:
     moe = spec.feature("moe")
     if moe.shared_hidden_dim or moe.capacity_factor is not None:
         raise CheckpointError(f"{moe.origin}: Qwen3-MoE in HF has no shared expert and routes dropless")
+    return _qwen_routing(spec)
+
+
+def _qwen_routing(spec: Model) -> dict:
+    """The routed experts in the keys Qwen2-MoE and Qwen3-MoE share."""
+    moe = spec.feature("moe")
     return {
         "use_sliding_window": False,
         "moe_intermediate_size": spec.decoder.mlp.hidden_dim,
@@ -236,6 +237,39 @@ def _query_pre_attn_scalar(attention) -> int:
     return scalar
 
 
+def _gpt_oss(spec: Model) -> dict:
+    """gpt-oss in transformers 5's keys: its config class turns a missing or null `rope_scaling` into YaRN, so the
+    RoPE is stated as `rope_parameters`."""
+    window, moe, experts = (
+        spec.feature("sliding_window"),
+        spec.feature("moe"),
+        spec.feature("gpt_oss_experts"),
+    )
+    if window is None or window.global_every != 2:
+        raise CheckpointError(
+            f"{spec.origin}: gpt-oss in HF alternates windowed and full layers (global_every=2)"
+        )
+    if moe.capacity_factor is not None or moe.every != 1:
+        raise CheckpointError(f"{moe.origin}: gpt-oss in HF routes every layer dropless")
+    rope = spec.feature("rope")
+    return {
+        "rope_parameters": {
+            "rope_theta": rope.theta,
+            **(_rope_scaling(rope.scaling) or {"rope_type": "default"}),
+        },
+        "attention_bias": True,
+        "sliding_window": window.window,
+        "layer_types": [
+            "full_attention" if layer % 2 else "sliding_attention" for layer in range(spec.decoder.num_layers)
+        ],
+        "num_local_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "router_aux_loss_coef": moe.aux_loss_weight or 0.0,
+        "swiglu_alpha": experts.alpha,
+        "swiglu_limit": experts.limit,
+    }
+
+
 FAMILY_KEYS = {
     "llama": lambda spec: {},
     "mistral": _mistral,
@@ -246,6 +280,7 @@ FAMILY_KEYS = {
     "qwen3_moe": _qwen3_moe,
     "gemma2": _gemma2,
     "gemma3_text": _gemma3_text,
+    "gpt_oss": _gpt_oss,
 }
 
 

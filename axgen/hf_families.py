@@ -15,6 +15,7 @@ import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
+import ml_dtypes
 import numpy as np
 
 from axgen.interop import CheckpointError
@@ -30,6 +31,7 @@ ARCHITECTURES = {
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 # The features each family's HF model computes; remat and quantize shape training only, not the weights' meaning.
 TRAINING_ONLY = {"remat", "quantize"}
@@ -43,6 +45,15 @@ FAMILY_FEATURES = {
     "qwen3_moe": {"rope", "qk_norm", "moe"},
     "gemma2": {"rope", "gemma_block", "sliding_window", "softcap"},
     "gemma3_text": {"rope", "gemma_block", "qk_norm", "sliding_window", "softcap"},
+    "gpt_oss": {
+        "rope",
+        "qkv_bias",
+        "out_bias",
+        "attention_sinks",
+        "sliding_window",
+        "moe",
+        "gpt_oss_experts",
+    },
 }
 # The families whose HF attention takes a softmax scale other than head_dim**-0.5 (`query_pre_attn_scalar`).
 SCALED_ATTENTION = {"gemma2", "gemma3_text"}
@@ -54,7 +65,9 @@ def family(spec: Model) -> str:
     """The HF family whose model computes what the spec does."""
     features = {f.pass_name for f in spec.features} - TRAINING_ONLY
     moe = spec.feature("moe")
-    if "gemma_block" in features:
+    if "gpt_oss_experts" in features:
+        name = "gpt_oss"
+    elif "gemma_block" in features:
         name = "gemma3_text" if "qk_norm" in features else "gemma2"
     elif moe is not None:
         name = _moe_family(spec)
@@ -115,7 +128,10 @@ _FUSED = re.compile(r"(model\.layers\.\d+)\.mlp\.(gate\.weight|experts\.gate_up_
 
 
 def expert_layout(spec: Model) -> ExpertLayout | None:
-    """The Hub's expert layout of the spec's family; None for a model without routed experts."""
+    """The Hub's expert layout of the spec's family; None for a model without routed experts, and for gpt-oss,
+    whose Hub checkpoints hold the fused tensors (in MXFP4: `Mxfp4Experts`)."""
+    if spec.feature("gpt_oss_experts") is not None:
+        return None
     return EXPERT_LAYOUTS[_moe_family(spec)] if spec.feature("moe") else None
 
 
@@ -213,7 +229,10 @@ class FusedExperts(Mapping):
 
 
 def fused_view(checkpoint: Mapping, spec: Model, shapes: dict, source: str) -> Mapping:
-    """The checkpoint under the fused names, whichever expert layout it holds; a mix of both is an error."""
+    """The checkpoint under the fused names, whichever expert layout it holds; a mix of both is an error. gpt-oss's
+    MXFP4 experts are dequantized as read."""
+    if spec.feature("gpt_oss_experts") is not None:
+        return Mxfp4Experts(checkpoint, MODEL_DTYPES[spec.checkpoint_dtype], source)
     layout = expert_layout(spec)
     if layout is None:
         return checkpoint
@@ -227,3 +246,85 @@ def fused_view(checkpoint: Mapping, spec: Model, shapes: dict, source: str) -> M
     if per_expert is None:
         return checkpoint
     return FusedExperts(checkpoint, layout, spec.feature("moe").num_experts, shapes, source)
+
+
+# --- gpt-oss's MXFP4 experts ---------------------------------------------------------------------------------------
+
+# The e2m1 value of each 4-bit code (sign bit high), as transformers' integrations/mxfp4.py FP4_VALUES.
+FP4_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32
+)
+MODEL_DTYPES = {
+    None: np.float32,
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": ml_dtypes.bfloat16,
+}
+
+
+def dequantize_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype, name: str) -> np.ndarray:
+    """`name`_blocks [experts, rows, groups, 16] (uint8: two e2m1 codes a byte, the low nibble first) and
+    `name`_scales [experts, rows, groups] (uint8 e8m0: 2**(s - 127) for each group of 32 values) as the weight HF's
+    model holds, [experts, groups * 32, rows] in `dtype`: what transformers' convert_moe_packed_tensors makes.
+    """
+    if (
+        blocks.dtype != np.uint8
+        or scales.dtype != np.uint8
+        or blocks.ndim != 4
+        or blocks.shape[-1] != 16
+        or blocks.shape[:-1] != scales.shape
+    ):
+        raise CheckpointError(
+            f"{name}_blocks {blocks.dtype}{list(blocks.shape)} with {name}_scales {scales.dtype}{list(scales.shape)} "
+            "are not MXFP4 experts (blocks uint8 [experts, rows, groups, 16], scales uint8 [experts, rows, groups])"
+        )
+    values = np.empty((*blocks.shape[:-1], 32), np.float32)
+    values[..., 0::2] = FP4_VALUES[blocks & 0x0F]
+    values[..., 1::2] = FP4_VALUES[blocks >> 4]
+    with np.errstate(over="ignore"):  # an overflow is inf, which the reader refuses by name
+        values = np.ldexp(values, scales.astype(np.int32)[..., None] - 127)
+    experts, rows, groups, _ = blocks.shape
+    return np.ascontiguousarray(values.reshape(experts, rows, groups * 32).swapaxes(1, 2), dtype)
+
+
+class Mxfp4Experts(Mapping):
+    """A gpt-oss checkpoint's tensors with each MXFP4 pair, `X_blocks` and `X_scales` (the Hub's experts), read as
+    the one weight `X` in `dtype`; every other tensor as it is. A pair with one half missing is named."""
+
+    def __init__(self, checkpoint: Mapping, dtype, source: str):
+        self.checkpoint, self.dtype, self.source = checkpoint, dtype, source
+        self.names: dict[str, str | None] = (
+            {}
+        )  # name -> the checkpoint's tensor, or None for a dequantized pair
+        for name in checkpoint:
+            stem, suffix = name.rsplit("_", 1) if name.endswith(("_blocks", "_scales")) else (name, None)
+            if suffix is None:
+                self.names[name] = name
+                continue
+            partner = f"{stem}_{'scales' if suffix == 'blocks' else 'blocks'}"
+            if partner not in checkpoint:
+                raise CheckpointError(f"{source}: holds {name!r} without {partner!r}, its MXFP4 other half")
+            self.names[stem] = None
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        stored = self.names[name]
+        if stored is not None:
+            return self.checkpoint[stored]
+        blocks, scales = self.checkpoint[f"{name}_blocks"], self.checkpoint[f"{name}_scales"]
+        try:
+            weight = dequantize_mxfp4(blocks, scales, self.dtype, name)
+        except CheckpointError as err:
+            raise CheckpointError(f"{self.source}: {err}") from None
+        if not np.isfinite(weight).all():  # scale 255 is e8m0's NaN; 254 overflows float16
+            bad = int(weight.size - np.isfinite(weight).sum())
+            raise CheckpointError(
+                f"{self.source}: {name}_scales make {bad} infinite or NaN weights; training from them would skip "
+                "every step"
+            )
+        return weight
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)

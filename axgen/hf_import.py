@@ -69,6 +69,16 @@ _LLAMA = {
     "max_position_embeddings": 2048,
     "rope_interleaved": False,
 }
+# What transformers' Qwen2-MoE and Qwen3-MoE config classes give the keys they share.
+_QWEN_MOE = {
+    "use_sliding_window": False,
+    "sliding_window": 4096,
+    "max_window_layers": 28,
+    "decoder_sparse_step": 1,
+    "norm_topk_prob": False,
+    "mlp_only_layers": [],
+    "router_aux_loss_coef": 0.001,
+}
 DEFAULTS: dict[str, dict] = {
     "llama": _LLAMA,
     "mistral": _LLAMA | {"sliding_window": 4096, "max_position_embeddings": 32_768},
@@ -89,28 +99,8 @@ DEFAULTS: dict[str, dict] = {
         "use_mrope": False,
     },
     "qwen3": _LLAMA | {"use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28},
-    "qwen2_moe": _LLAMA
-    | {
-        "qkv_bias": True,
-        "use_mrope": False,
-        "use_sliding_window": False,
-        "sliding_window": 4096,
-        "max_window_layers": 28,
-        "decoder_sparse_step": 1,
-        "norm_topk_prob": False,
-        "mlp_only_layers": [],
-        "router_aux_loss_coef": 0.001,
-    },
-    "qwen3_moe": _LLAMA
-    | {
-        "use_sliding_window": False,
-        "sliding_window": 4096,
-        "max_window_layers": 28,
-        "decoder_sparse_step": 1,
-        "norm_topk_prob": False,
-        "mlp_only_layers": [],
-        "router_aux_loss_coef": 0.001,
-    },
+    "qwen2_moe": _LLAMA | {"qkv_bias": True, "use_mrope": False} | _QWEN_MOE,
+    "qwen3_moe": _LLAMA | _QWEN_MOE,
     "gemma2": _LLAMA
     | {
         "hidden_activation": "gelu_pytorch_tanh",
@@ -122,27 +112,56 @@ DEFAULTS: dict[str, dict] = {
         "final_logit_softcapping": 30.0,
         "max_position_embeddings": 8192,
     },
-}
-# Gemma3TextConfig's defaults (transformers 5.23), with the 4.x keys published configs still carry.
-DEFAULTS["gemma3_text"] = _LLAMA | {
-    "vocab_size": 262_208,
-    "hidden_size": 2304,
-    "intermediate_size": 9216,
-    "num_hidden_layers": 26,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "head_dim": 256,
-    "hidden_activation": "gelu_pytorch_tanh",
-    "max_position_embeddings": 131_072,
-    "tie_word_embeddings": True,
-    "query_pre_attn_scalar": 256,
-    "sliding_window": 4096,
-    "sliding_window_pattern": 6,
-    "attn_logit_softcapping": None,
-    "final_logit_softcapping": None,
-    "use_bidirectional_attention": False,
-    "rope_theta": 1_000_000.0,
-    "rope_local_base_freq": 10_000.0,
+    # Gemma3TextConfig's defaults (transformers 5.23), with the 4.x keys published configs still carry.
+    "gemma3_text": _LLAMA
+    | {
+        "vocab_size": 262_208,
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131_072,
+        "tie_word_embeddings": True,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "sliding_window_pattern": 6,
+        "attn_logit_softcapping": None,
+        "final_logit_softcapping": None,
+        "use_bidirectional_attention": False,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+    },
+    # transformers 5.23's GptOssConfig; a config without RoPE keys gets its YaRN.
+    "gpt_oss": _LLAMA
+    | {
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 150_000.0,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        "attention_bias": True,
+        "max_position_embeddings": 131_072,
+        "sliding_window": 128,
+        "num_local_experts": 128,
+        "num_experts_per_tok": 4,
+        "router_aux_loss_coef": 0.001,
+        "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0,
+        "quantization_config": None,
+        "experts_per_token": None,  # the original (non-HF) checkpoint's name for num_experts_per_tok
+        "initial_context_length": None,  # the original checkpoint's name for YaRN's original context
+    },
+    "gemma3": {},  # an image-text config: its text_config is read as a gemma3_text config
 }
 
 
@@ -197,6 +216,8 @@ KEY_KINDS = {
         ("num_key_value_heads", "head_dim", "sliding_window", "sliding_window_size"), "positive int or null"
     ),
     **dict.fromkeys(("rms_norm_eps", "rope_theta", "query_pre_attn_scalar"), "positive number"),
+    **dict.fromkeys(("swiglu_alpha", "swiglu_limit"), "positive number"),
+    **dict.fromkeys(("experts_per_token", "initial_context_length"), "positive int or null"),
     **dict.fromkeys(("attn_logit_softcapping", "final_logit_softcapping"), "positive number or null"),
     **dict.fromkeys(("router_aux_loss_coef", "attention_dropout", "router_jitter_noise"), "number >= 0"),
     **dict.fromkeys(
@@ -732,7 +753,63 @@ MULTIMODAL_KEYS = frozenset(
         "eoi_token_id",
     }
 )
-DEFAULTS["gemma3"] = {}
+
+
+def gpt_oss(c: Config) -> SpecSource:
+    """gpt-oss: biases on q, k, v and o, a sink logit per head, 128-token windows on even layers, and routed
+    experts with biases and the clamped SwiGLU (F.gpt_oss_experts). Its published checkpoints store the experts in
+    MXFP4, which convert-hf dequantizes (`quantization_config`)."""
+    _activation(
+        c, "hidden_act", ("silu",)
+    )  # transformers' gpt-oss ignores it: its experts' SwiGLU is clamped
+    c.expect(
+        "attention_bias", (True,), "leaves out gpt-oss's attention biases, which axgen's gpt-oss import maps"
+    )
+    _mxfp4_storage(c)
+    source = _decoder(c)
+    top_k = c["num_experts_per_tok"]
+    c.expect("experts_per_token", (None, top_k), f"differs from num_experts_per_tok={top_k}")
+    c.read.add("initial_context_length")  # transformers does not read it: YaRN's is in rope_scaling
+    window = c["sliding_window"]
+    if window is None:
+        raise HFImportError(f"{c.path}: sliding_window=null leaves gpt-oss's sliding layers without a window")
+    _layer_types(c, lambda layer: "full_attention" if layer % 2 else "sliding_attention")
+    if "rope_parameters" not in c.values and c["rope_scaling"] is None:
+        # transformers' GptOssConfig gives a config without RoPE parameters a YaRN of its own choosing.
+        raise HFImportError(
+            f"{c.path}: rope_scaling=null: transformers' gpt-oss then takes a built-in YaRN; state it in the "
+            "config's rope_scaling, as the published ones do"
+        )
+    source.features = [
+        _rope(c),
+        "F.qkv_bias()",
+        "F.out_bias()",
+        "F.attention_sinks()",
+        f"F.sliding_window(window={window}, global_every=2)",
+        f'F.moe(num_experts={c["num_local_experts"]}, top_k={top_k}, renormalize=True, '
+        f'aux_loss_weight={c["router_aux_loss_coef"]!r}, router_z_loss_weight=0.0)',
+        f'F.gpt_oss_experts(alpha={float(c["swiglu_alpha"])!r}, limit={float(c["swiglu_limit"])!r})',
+    ]
+    return source
+
+
+def _mxfp4_storage(c: Config) -> None:
+    """`quantization_config`: how the published checkpoint stores its experts (MXFP4 blocks and scales), which
+    convert-hf dequantizes; it does not change what the model computes."""
+    storage = c["quantization_config"]
+    if storage is None:
+        return
+    if not isinstance(storage, dict) or storage.get("quant_method") != "mxfp4":
+        method = storage.get("quant_method") if isinstance(storage, dict) else storage
+        raise HFImportError(
+            f"{c.path}: quantization_config.quant_method={_shown(method)} is not a storage convert-hf reads (mxfp4)"
+        )
+    extra = sorted(set(storage) - {"quant_method", "modules_to_not_convert"})
+    if extra:
+        raise HFImportError(
+            f"{c.path}: quantization_config.{extra[0]}={_shown(storage[extra[0]])} is not a key axgen's mxfp4 "
+            "reading knows"
+        )
 
 
 FAMILIES: dict[str, Callable[[Config], SpecSource]] = {
@@ -746,6 +823,7 @@ FAMILIES: dict[str, Callable[[Config], SpecSource]] = {
     "gemma2": gemma2,
     "gemma3_text": gemma3_text,
     "gemma3": gemma3,
+    "gpt_oss": gpt_oss,
 }
 
 

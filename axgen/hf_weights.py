@@ -34,6 +34,7 @@ DTYPES = {
     "F64": np.float64,
     "I64": np.int64,
     "I32": np.int32,
+    "U8": np.uint8,  # gpt-oss's MXFP4 experts: blocks of e2m1 pairs and e8m0 scales (hf_families.Mxfp4Experts)
 }
 # Tensors some checkpoints carry that are not weights: RoPE's inverse frequencies, recomputed from theta.
 NOT_WEIGHTS = ("rotary_emb.inv_freq",)

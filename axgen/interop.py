@@ -107,14 +107,18 @@ def iter_hf_tensors(params: dict, spec: Model, dtype=None) -> Iterator[tuple[str
     for (_, param, layers), value in zip(layout, values):
         for row, name in enumerate(hf_names(param, layers)):
             tensor = _to_hf(np.asarray(value if layers is None else value[row]), param, dtype)
-            if param.hf.chunk is None:
+            if param.hf.chunk is None and param.hf.interleave is None:
                 yield name, tensor
                 continue
-            index, count = param.hf.chunk
+            index, count = param.hf.chunk or param.hf.interleave
             parts.setdefault(name, {})[index] = tensor
             if len(parts[name]) == count:
-                chunks = parts.pop(name)
-                yield name, np.concatenate([chunks[i] for i in range(count)], axis=-2)
+                done = parts.pop(name)
+                chunks = [done[i] for i in range(count)]
+                if param.hf.chunk is not None:
+                    yield name, np.concatenate(chunks, axis=-2)
+                else:  # column j of part i is column j * count + i of the whole
+                    yield name, np.stack(chunks, axis=-1).reshape(*chunks[0].shape[:-1], -1)
 
 
 def _param_value(params: dict, block: str | None, param: Param, layers: list[int] | None, spec: Model):
@@ -162,6 +166,8 @@ def hf_shape(param: Param) -> tuple[int, ...]:
         shape[-2:] = shape[-1], shape[-2]
     if param.hf.chunk is not None:
         shape[-2] *= param.hf.chunk[1]
+    if param.hf.interleave is not None:
+        shape[-1] *= param.hf.interleave[1]
     return tuple(shape)
 
 
@@ -205,6 +211,9 @@ def _hf_tensor(state_dict, param: Param, layer: int | None, dtype) -> np.ndarray
         )
     if param.hf.chunk is not None:
         tensor = np.split(tensor, param.hf.chunk[1], axis=-2)[param.hf.chunk[0]]
+    if param.hf.interleave is not None:
+        index, count = param.hf.interleave
+        tensor = tensor[..., index::count]
     if param.hf.transpose:
         tensor = np.swapaxes(tensor, -1, -2)
     return tensor.reshape(param.shape)

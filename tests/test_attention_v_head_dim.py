@@ -84,6 +84,7 @@ def program_namespace(kernel: str, softcap: float | None = None):
         window=None,
         softcap=softcap,
         scale=None,
+        sinks=False,
         causal=True,
         v_head_dim=V,
         pad_v=kernel != "splash",

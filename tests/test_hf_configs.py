@@ -11,7 +11,9 @@ from tests.conftest import ROOT
 
 from axgen.build import lowered
 from axgen.cli import main as axgen
+from axgen.ir import cost, from_spec
 from axgen.loader import load_spec
+from axgen.passes import run_passes
 
 CORPUS = ROOT / "tests/fixtures/hf_configs/published"
 SOURCES = json.loads((CORPUS / "sources.json").read_text())
@@ -54,6 +56,9 @@ TRANSFORMERS_PARAMS = {
     "qwen3-14b": 14_768_307_200,
     "qwen3-32b": 32_762_123_264,
     "qwen3-30b-a3b": 30_532_122_624,
+    # transformers builds the experts in the model's dtype: the dequantized model, not the Hub's MXFP4.
+    "gpt-oss-20b": 20_914_757_184,
+    "gpt-oss-120b": 116_829_156_672,
     "qwen3-4b": 4_022_468_096,
     "qwen3-8b": 8_190_735_360,
     "smollm2-135m": 134_515_008,
@@ -87,3 +92,21 @@ def test_a_published_config_axgen_cannot_honour_is_refused_in_one_line(slug, tmp
     error = capsys.readouterr().err
     assert code == 2 and error.startswith(f"axgen: error: {CORPUS / slug}.json: {REFUSED[slug]}"), error
     assert error.count("\n") == 1 and not (tmp_path / "spec.py").exists()
+
+
+@pytest.mark.parametrize("slug", ["gpt-oss-20b", "gpt-oss-120b"])
+def test_gpt_oss_imports_as_the_bundled_spec(slug, tmp_path, capsys):
+    """The published config, YaRN and all, imports as the bundled spec, with transformers' count."""
+    assert axgen(["import-hf", str(CORPUS / f"{slug}.json"), "--out", str(tmp_path / "spec.py")]) == 0
+    imported = load_spec(tmp_path / "spec.py")
+    bundled = load_spec(ROOT / "specs" / f"{slug.replace('-', '_')}.py")
+    assert (imported.vocab_size, imported.d_model, imported.tie_embeddings, imported.decoder) == (
+        bundled.vocab_size,
+        bundled.d_model,
+        bundled.tie_embeddings,
+        bundled.decoder,
+    )
+    assert imported.features == bundled.features
+    graph = from_spec(bundled)
+    run_passes(graph, bundled.features)
+    assert cost.num_params(graph) == TRANSFORMERS_PARAMS[slug]

@@ -36,6 +36,7 @@ FAMILIES = [
     "hf_gemma3",
     "hf_qwen3_yarn",
     "hf_llama_linear",
+    "hf_gpt_oss",  # its Hub layout is the fused one, its experts in MXFP4 (tests/test_gpt_oss.py)
 ]
 MOE = ["hf_mixtral", "hf_qwen2_moe", "hf_qwen3_moe"]
 # (fixture, expert layout): the Hub's one tensor per expert, as save_pretrained writes it (<name>_hub.npz), and

@@ -156,7 +156,8 @@ def test_one_vocabulary_of_axes_and_kernels():
     from axgen.spec import ATTENTION_KERNELS
 
     assert [axis for axis, _ in LOGICAL_AXIS_RULES] == list(LOGICAL_AXES)
-    # DOCUMENT_MASKS also holds the lowering's own XLA path for a soft-capped attention, which no spec names.
-    assert set(KERNEL_OPTIONS) == set(DOCUMENT_MASKS) - {"xla_softcap"} == set(ATTENTION_KERNELS)
+    # DOCUMENT_MASKS also holds the lowering's own XLA paths for a soft-capped attention and one with sinks, which
+    # no spec names.
+    assert set(KERNEL_OPTIONS) == set(DOCUMENT_MASKS) - {"xla_softcap", "xla_sinks"} == set(ATTENTION_KERNELS)
     with pytest.raises(ValueError, match="unknown logical axis 'hidden'"):
         TensorType.of("batch", ("hidden", 4))

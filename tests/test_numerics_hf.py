@@ -62,6 +62,7 @@ ARCHITECTURES = [
     "hf_gemma3",
     "hf_qwen3_yarn",
     "hf_llama_linear",
+    "hf_gpt_oss",
 ]
 
 

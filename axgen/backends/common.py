@@ -34,9 +34,14 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, tuple[str, ...]], ...] = tuple(
 # What each attention kernel implements beyond causal attention: an attention node that needs more than its
 # target's kernel does (an attr set, not None) is lowered to XLA's path, which implements everything.
 KERNEL_OPTIONS: dict[str, frozenset[str]] = {
-    "xla": frozenset({"window", "softcap", "scale"}),
-    "splash": frozenset({"window", "softcap", "scale"}),  # Pallas local masks and attn_logits_soft_cap
-    "cudnn": frozenset({"window", "scale"}),  # cuDNN fused attention has a sliding window and no soft-cap
+    "xla": frozenset({"window", "softcap", "scale", "sinks"}),
+    # Pallas local masks, attn_logits_soft_cap, and the kernel's `sinks` argument (jax 0.12: forward in the
+    # kernel, their gradient beside it).
+    "splash": frozenset({"window", "softcap", "scale", "sinks"}),
+    # cuDNN fused attention has a sliding window and neither a soft-cap nor sinks: jax.nn.dot_product_attention
+    # takes no sinks, and the logsumexp it returns (return_residual) takes no gradient in its cuDNN backward, so
+    # the sinks cannot be folded in after the kernel either.
+    "cudnn": frozenset({"window", "scale"}),
 }
 
 # The kernels that take a value head dim other than the query/key one (DeepSeek's MLA: q/k 192, v 128). Splash's
@@ -50,6 +55,7 @@ TAKES_V_HEAD_DIM: frozenset[str] = frozenset({"splash"})
 DOCUMENT_MASKS: dict[str, str] = {
     "xla": "dense",
     "xla_softcap": "dense",
+    "xla_sinks": "dense",
     "splash": "segment_ids",
     "cudnn": "dense",
 }

@@ -59,17 +59,21 @@ def shard(g: Graph, plan: Plan) -> None:
 
 
 def attention_kernel(g: Graph, plan: Plan) -> None:
-    """The target's kernel, or XLA's path for an attention that needs what the kernel lacks (a soft-cap takes
-    plain XLA ops: jax.nn.dot_product_attention has none), and how that kernel keeps each query inside its
+    """The target's kernel, or XLA's path for an attention that needs what the kernel lacks (a soft-cap or sinks
+    take plain XLA ops: jax.nn.dot_product_attention has neither), and how that kernel keeps each query inside its
     document. The splash kernel's block length is the program's SPLASH_BLOCK. Where v's head dim differs from
-    q/k's and the kernel takes one head dim (cuDNN and XLA through jax.nn.dot_product_attention), `pad_v`: v is
-    zero-padded to q/k's head dim and the output sliced back, which is exact and costs the padded channels'
-    flops; splash takes both head dims as they are."""
+    q/k's and the kernel takes one head dim (cuDNN, and XLA's paths), `pad_v`: v is zero-padded to q/k's head dim
+    and the output sliced back, which is exact and costs the padded channels' flops; splash takes both head dims
+    as they are."""
     for node in g.nodes(op="attention"):
-        needs = {name for name in KERNEL_OPTIONS["xla"] if getattr(node.attrs, name) is not None}
+        needs = {name for name in KERNEL_OPTIONS["xla"] if getattr(node.attrs, name) not in (None, False)}
         kernel = plan.attention if needs <= KERNEL_OPTIONS[plan.attention] else "xla"
+        if kernel == "xla" and node.attrs.softcap is not None and node.attrs.sinks:
+            raise GraphError(f"{node}: XLA's paths take a soft-cap or sinks, not both")
         if kernel == "xla" and node.attrs.softcap is not None:
             kernel = "xla_softcap"
+        if kernel == "xla" and node.attrs.sinks:
+            kernel = "xla_sinks"
         block = plan.attention_block if kernel == "splash" else None
         ins = g.inputs(node)
         v_dim, qk_dim = ins["v"].type.size("head_dim"), ins["q"].type.size("head_dim")
@@ -161,8 +165,10 @@ def scan_grouping(g: Graph, plan: Plan) -> None:
     function that runs each block's layers of the step in turn."""
     for scan in g.nodes(op="scan"):
         calls = tuple(_call(g, block, scan.attrs.steps) for block in scan.attrs.blocks)
-        if sum(call.aux for call in calls) > 1:
-            raise GraphError(f"{scan}: more than one block of a group has auxiliary outputs")
+        # Several blocks of a group may return auxiliary outputs (gpt-oss: experts in the windowed and the global
+        # layers); the group returns their mean, one layer each.
+        if any(call.aux and call.per_step > 1 for call in calls):
+            raise GraphError(f"{scan}: a block with auxiliary outputs runs several layers a step")
         function = f"{scan.name}_group" if ScanAttrs.groups(calls) else calls[0].function
         g.update(scan, function=function, calls=calls, returns_aux=any(call.aux for call in calls))
 
@@ -190,8 +196,8 @@ def aux_losses(g: Graph, plan: Plan) -> None:
 def kernel_switches(g: Graph, plan: Plan) -> None:
     """The value of each test switch (ATTENTION_IMPL, GROUPED_MATMUL_IMPL) the program prints: the chip kernel
     its nodes run, which AXGEN_XLA_KERNELS=1 swaps for the XLA path so the program runs on CPU. Plain XLA paths
-    (`xla`, `xla_softcap`, `ragged_dot`) read no switch."""
-    attention = {n.attrs.kernel for n in g.nodes(op="attention")} - {"xla_softcap"}
+    (`xla`, `xla_softcap`, `xla_sinks`, `ragged_dot`) read no switch."""
+    attention = {n.attrs.kernel for n in g.nodes(op="attention")} - {"xla_softcap", "xla_sinks"}
     matmuls = {n.attrs.grouped_matmul for n in g.nodes(op="moe") if not n.attrs.capacity_factor} - {
         "ragged_dot"
     }

@@ -178,7 +178,9 @@ def _blocks(env, graph: Graph) -> list[dict]:
         if {k: v for k, v in first.items() if k not in ("name", "repeat")} != {
             k: v for k, v in block.items() if k not in ("name", "repeat")
         }:
-            raise EmitError(f"blocks {first['name']} and {block['name']} share {block['function']} but differ")
+            raise EmitError(
+                f"blocks {first['name']} and {block['name']} share {block['function']} but differ"
+            )
         first["repeat"] += block["repeat"]
     return list(functions.values())
 

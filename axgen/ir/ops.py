@@ -73,16 +73,18 @@ class AttentionAttrs(Attrs):
     """Attention over keys at or before each query (`causal`) of the query's own document (`segment_ids`).
     `window`: a query sees only the last `window` positions, itself included; `softcap`: scores pass through
     softcap * tanh(score / softcap) before the softmax; `scale` multiplies the scores, where it is not
-    head_dim**-0.5. `kernel`, `block`, `document_mask`, `v_head_dim` and `pad_v` are the lowering's: which
-    implementation runs it, its block length, how the kernel is told where documents end, v's head dim where it
-    differs from q/k's, and whether v is then zero-padded to q/k's head dim for a kernel that takes one head dim
-    and the output's padding sliced off: zero value channels add zero output channels, so the result is exact.
-    """
+    head_dim**-0.5; `sinks`: the `sinks` param, a learned logit per query head, joins each query's softmax and
+    takes a share of the probability mass without a value. `kernel`, `block`, `document_mask`, `v_head_dim` and
+    `pad_v` are the lowering's: which implementation runs it, its block length, how the kernel is told where
+    documents end, v's head dim where it differs from q/k's, and whether v is then zero-padded to q/k's head dim
+    for a kernel that takes one head dim and the output's padding sliced off: zero value channels add zero output
+    channels, so the result is exact."""
 
     causal: bool = True
     window: int | None = None
     softcap: float | None = None
     scale: float | None = None
+    sinks: bool = False
     kernel: str | None = None
     block: int | None = None
     document_mask: str | None = None
@@ -187,6 +189,9 @@ def _attention(ins, attrs, params):
         raise ShapeError(f"segment_ids must be [batch, seq], got {ins['segment_ids']}")
     if attrs.window is not None and attrs.window < 1:
         raise ShapeError(f"window={attrs.window} must be >= 1")
+    heads = TensorType.of(("heads", q.size("heads")))
+    if attrs.sinks != ("sinks" in params) or attrs.sinks and params["sinks"].type != heads:
+        raise ShapeError(f"sinks={attrs.sinks} needs one sinks{heads} param, got {list(params)}")
     return q.drop("head_dim").concat(TensorType.of(("head_dim", v.size("head_dim"))))
 
 

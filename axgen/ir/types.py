@@ -60,12 +60,15 @@ class TensorType:
 class HFWeight:
     """Where a param lives in a Hugging Face checkpoint: its tensor `name` (`{layer}` stands for the layer index),
     which of `chunk=(index, count)` equal parts along the second-to-last axis it is, when HF fuses several,
-    and whether HF keeps its last two axes the other way round (`transpose`: torch's Linear stores [out, in]).
+    which of `interleave=(index, count)` parts whose columns alternate along the last axis it is (`[..., index::count]`:
+    gpt-oss's fused gate and up projections), and whether HF keeps its last two axes the other way round
+    (`transpose`: torch's Linear stores [out, in]).
     """
 
     name: str
     transpose: bool = False
     chunk: tuple[int, int] | None = None
+    interleave: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,11 @@ class MoEAttrs(Attrs):
     activation: str
     renormalize: bool = True  # whether the top-k routing weights are rescaled to sum to 1
     routed_scale: float | None = None  # what the top-k routing weights are multiplied by (DeepSeek)
+    # gpt-oss's experts (passes/gpt_oss_experts.py): biases b_gate, b_up, b_down beside the weights, and the clamped
+    # SwiGLU's sigmoid gain and clamp (activation "clamped_swiglu").
+    biased: bool = False
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
     aux: tuple[str, ...] = ()  # auxiliary outputs: losses, and metrics such as the dropped fraction
     aux_weights: tuple[tuple[str, float], ...] = ()  # loss name -> its weight in the training loss
     # Set by the target's lowering: the grouped matmul kernel of the dropless path and its tiles, or why the

@@ -402,6 +402,52 @@ class GemmaBlock(Feature):
             model.decoder.fail("norm", "must be an RMSNorm for gemma_block")
 
 
+@dataclass(frozen=True, kw_only=True)
+class AttentionSinks(Feature):
+    """A learned logit per query head joins each query's softmax beside its keys' scores: it takes a share of the
+    probability mass and contributes no value, so a query may attend to nothing (gpt-oss's `self_attn.sinks`).
+    """
+
+    pass_name: typing.ClassVar[str] = "attention_sinks"
+
+
+@dataclass(frozen=True, kw_only=True)
+class OutBias(Feature):
+    """A learned bias on the attention's output projection (HF `self_attn.o_proj.bias`), as gpt-oss has beside its
+    q, k and v biases (`attention_bias: true`)."""
+
+    pass_name: typing.ClassVar[str] = "out_bias"
+
+
+@dataclass(frozen=True, kw_only=True)
+class GptOssExperts(Feature):
+    """gpt-oss's routed experts on the MoE: the router adds a bias (HF `mlp.router.bias`), each expert's gate, up
+    and down projections add biases, and the activation is the clamped SwiGLU, gate = min(gate, limit),
+    up = clip(up, -limit, limit), out = (up + 1) * gate * sigmoid(alpha * gate) (HF `swiglu_alpha`,
+    `swiglu_limit`). Routing is the MoE's: top-k of the router's logits, softmax over the k chosen, which is
+    softmax-then-renormalise. The weights carry gpt-oss's HF names, whose fused `gate_up_proj` [experts, embed,
+    2 * hidden] interleaves the gate's and up's columns."""
+
+    pass_name: typing.ClassVar[str] = "gpt_oss_experts"
+    HF_KEYS = {"alpha": "swiglu_alpha", "limit": "swiglu_limit"}
+    alpha: float
+    limit: float
+
+    def validate(self) -> None:
+        self.require_positive("alpha", "limit")
+
+    def check_model(self, model: Model) -> None:
+        moe = model.feature("moe")
+        if moe is None:
+            self.fail("alpha", "applies to routed experts: the model has no F.moe")
+        elif not moe.renormalize:
+            moe.fail("renormalize", "must be True for gpt_oss_experts (softmax over the k chosen logits)")
+        if model.decoder.mlp.activation != "swiglu":
+            model.decoder.mlp.fail(
+                "activation", "must be swiglu for gpt_oss_experts, whose clamped SwiGLU replaces it"
+            )
+
+
 class features:  # noqa: N801 - a namespace, used as `features as F` in spec files
     """Feature constructors for `Model.features`: `F.rope(theta=5e5, scaling=F.rope_scaling(factor=8.0))`."""
 
@@ -417,3 +463,6 @@ class features:  # noqa: N801 - a namespace, used as `features as F` in spec fil
     sliding_window = SlidingWindow
     softcap = SoftCap
     gemma_block = GemmaBlock
+    attention_sinks = AttentionSinks
+    out_bias = OutBias
+    gpt_oss_experts = GptOssExperts
