@@ -448,6 +448,60 @@ class GptOssExperts(Feature):
             )
 
 
+@dataclass(frozen=True, kw_only=True)
+class MLA(Feature):
+    """Multi-head latent attention (DeepSeek-V2/V3) in place of the q, k and v projections. Queries come from a
+    low-rank latent, q_b(rmsnorm(q_a(x))), or from one projection where `q_lora_rank` is None (V2-Lite's
+    q_proj); keys and values from one latent of `kv_lora_rank` channels, rmsnorm'd and up-projected per head to
+    `qk_nope_head_dim` key and `v_head_dim` value channels; the key's last `qk_rope_head_dim` channels are one
+    head projected beside the latent (kv_a_proj_with_mqa) and shared by every head. RoPE turns only those
+    channels, of q and k, in adjacent pairs: the model's F.rope must say rotary_dim=qk_rope_head_dim,
+    interleaved=True. `eps` is the latent norms' (transformers' DeepSeek: 1e-6, whatever rms_norm_eps says).
+    Attention sees q/k of qk_nope_head_dim + qk_rope_head_dim channels, which Attention.head_dim states, and
+    v of v_head_dim; its scale is Attention.scale (None: head_dim**-0.5). Every value is required."""
+
+    pass_name: typing.ClassVar[str] = "mla"
+    HF_KEYS = {
+        "q_lora_rank": "q_lora_rank",
+        "kv_lora_rank": "kv_lora_rank",
+        "qk_nope_head_dim": "qk_nope_head_dim",
+        "qk_rope_head_dim": "qk_rope_head_dim",
+        "v_head_dim": "v_head_dim",
+        "eps": "no key: 1e-6, the default of the RMSNorm transformers' DeepSeek norms the latents with",
+    }
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    eps: float
+
+    def validate(self) -> None:
+        self.require_positive("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "eps")
+        if self.q_lora_rank is not None:
+            self.require_positive("q_lora_rank")
+        if self.qk_rope_head_dim % 2:
+            self.fail("qk_rope_head_dim", "must be even (rope rotates pairs of channels)")
+
+    def check_model(self, model: Model) -> None:
+        attention, qk = model.decoder.attention, self.qk_nope_head_dim + self.qk_rope_head_dim
+        if attention.head_dim != qk:
+            attention.fail("head_dim", f"must be qk_nope_head_dim + qk_rope_head_dim = {qk} for F.mla")
+        if attention.num_kv_heads != attention.num_heads:
+            attention.fail(
+                "num_kv_heads", f"must be num_heads={attention.num_heads} for F.mla (one k, v per head)"
+            )
+        rope = model.feature("rope")
+        if rope is None or rope.rotary_dim != self.qk_rope_head_dim or not rope.interleaved:
+            self.fail(
+                "qk_rope_head_dim",
+                f"needs F.rope(rotary_dim={self.qk_rope_head_dim}, interleaved=True), as MLA turns its rope channels",
+            )
+        for other in ("qkv_bias", "qk_norm"):
+            if model.feature(other) is not None:
+                self.fail("q_lora_rank", f"replaces the q, k, v projections that F.{other} changes")
+
+
 class features:  # noqa: N801 - a namespace, used as `features as F` in spec files
     """Feature constructors for `Model.features`: `F.rope(theta=5e5, scaling=F.rope_scaling(factor=8.0))`."""
 
@@ -466,3 +520,4 @@ class features:  # noqa: N801 - a namespace, used as `features as F` in spec fil
     attention_sinks = AttentionSinks
     out_bias = OutBias
     gpt_oss_experts = GptOssExperts
+    mla = MLA
