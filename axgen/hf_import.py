@@ -188,6 +188,8 @@ DEFAULTS["deepseek_v2"] = _LLAMA | {
     "moe_intermediate_size": 1407,
     # DeepSeek's own configs' balance-loss weight; transformers' model computes no balance loss.
     "aux_loss_alpha": 0.0,
+    "scoring_func": "softmax",
+    "moe_layer_freq": 1,
 }
 
 
@@ -870,6 +872,17 @@ def deepseek_v2(c: Config) -> SpecSource:
         "selects experts within groups, which axgen's deepseek_v2 import does not map (it maps greedy)",
     )
     c.read |= {"n_group", "topk_group"}  # read by group_limited_greedy only
+    # DeepSeek's own configs (its remote code's keys) say how they score and place experts and how their code
+    # ran: transformers' model scores by softmax in every layer after the dense ones, whatever they say, so other
+    # values are refused; ep_size is their inference's expert parallelism, seq_aux their balance loss's form
+    # (axgen's is Switch's, weighted by aux_loss_alpha), auto_map their code's classes.
+    c.expect(
+        "scoring_func", ("softmax",), "scores experts otherwise than transformers' deepseek_v2 (softmax)"
+    )
+    c.expect(
+        "moe_layer_freq", (1,), "puts experts in some layers only, which transformers' deepseek_v2 does not"
+    )
+    c.read |= {"ep_size", "seq_aux", "auto_map"}
     c.expect(
         "norm_topk_prob",
         (False,),

@@ -87,6 +87,22 @@ def test_deepseek_v2_round_trips_bit_for_bit(name, layout, dtype, tmp_path, caps
     assert_same_tensors(round_trip(tmp_path, capsys, name, original, *flags), original)
 
 
+def test_deepseek_s_own_config_keys_are_read():
+    """The keys of DeepSeek's remote-code configs beside transformers' (DeepSeek-V2-Lite's values): the balance
+    loss's weight is aux_loss_alpha; the others change nothing transformers computes."""
+    config = fixture_config("hf_deepseek_v2") | {
+        "aux_loss_alpha": 0.001,
+        "ep_size": 1,
+        "moe_layer_freq": 1,
+        "scoring_func": "softmax",
+        "seq_aux": True,
+        "auto_map": {"AutoModelForCausalLM": "modeling_deepseek.DeepseekV2ForCausalLM"},
+    }
+    source, read = import_config(config, "config.json")
+    assert not read.unaccounted()
+    assert "aux_loss_weight=0.001" in source.features[2]
+
+
 def test_the_exported_config_imports_back_to_the_same_spec(tmp_path, capsys):
     spec = load_spec(FIXTURES / "hf_deepseek_v2_spec.py")
     config = hf_config(spec, "float32")
@@ -114,6 +130,8 @@ def test_the_exported_config_imports_back_to_the_same_spec(tmp_path, capsys):
         ),
         ("attention_bias", True, "attention_bias=True puts biases on q_a, kv_a and o"),
         ("head_dim", 24, "head_dim=24 is not qk_rope_head_dim=8"),
+        ("scoring_func", "sigmoid", "scoring_func='sigmoid' scores experts otherwise"),
+        ("moe_layer_freq", 2, "moe_layer_freq=2 puts experts in some layers only"),
     ],
 )
 def test_a_deepseek_v2_config_axgen_cannot_honour_is_one_line(key, value, message, tmp_path, capsys):
