@@ -4,6 +4,7 @@ DeepSeek-V2 are tests/test_deepseek_v2.py's."""
 
 import pytest
 from tests.conftest import train
+from tests.test_aot import aot
 from tests.test_hf_export import run
 
 from axgen.build import build
@@ -91,3 +92,18 @@ def test_an_mla_model_trains_on_8_cpu_devices_with_falling_loss(corpus, tmp_path
     losses = train(program, corpus, tmp_path / "run", 20)
     assert sorted(losses) == list(range(1, 21))
     assert losses[20] < losses[1] - 1.0, losses
+
+
+@pytest.mark.parametrize(
+    ("target", "kernels"),
+    [
+        # splash forward and backward, on q/k of 24 channels and v of 12 as they are
+        ("tpu-v5e-8", {"tpu_custom_call"}),
+        # cuDNN's fused attention on v padded to 24 channels
+        ("gpu-h100-8", {"__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"}),
+    ],
+)
+def test_an_mla_train_step_compiles_for_each_target_s_attention_kernel(target, kernels, tmp_path, capsys):
+    code, [report], _ = aot(capsys, str(mla_spec(tmp_path)), "--target", target)
+    assert code == 0 and report["fits"]
+    assert kernels <= set(report["kernels"]), report["kernels"]
