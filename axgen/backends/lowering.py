@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from axgen.backends.common import DOCUMENT_MASKS, KERNEL_OPTIONS, Plan
+from axgen.backends.common import DOCUMENT_MASKS, KERNEL_OPTIONS, TAKES_V_HEAD_DIM, Plan
 from axgen.ir import Graph, GraphError, Node, ScanCall, cost
 from axgen.ir.ops import ScanAttrs
 from axgen.spec import REMAT_POLICIES
@@ -61,7 +61,10 @@ def shard(g: Graph, plan: Plan) -> None:
 def attention_kernel(g: Graph, plan: Plan) -> None:
     """The target's kernel, or XLA's path for an attention that needs what the kernel lacks (a soft-cap or sinks
     take plain XLA ops: jax.nn.dot_product_attention has neither), and how that kernel keeps each query inside its
-    document. The splash kernel's block length is the program's SPLASH_BLOCK."""
+    document. The splash kernel's block length is the program's SPLASH_BLOCK. Where v's head dim differs from
+    q/k's and the kernel takes one head dim (cuDNN, and XLA's paths), `pad_v`: v is zero-padded to q/k's head dim
+    and the output sliced back, which is exact and costs the padded channels' flops; splash takes both head dims
+    as they are."""
     for node in g.nodes(op="attention"):
         needs = {name for name in KERNEL_OPTIONS["xla"] if getattr(node.attrs, name) not in (None, False)}
         kernel = plan.attention if needs <= KERNEL_OPTIONS[plan.attention] else "xla"
@@ -72,7 +75,18 @@ def attention_kernel(g: Graph, plan: Plan) -> None:
         if kernel == "xla" and node.attrs.sinks:
             kernel = "xla_sinks"
         block = plan.attention_block if kernel == "splash" else None
-        g.update(node, kernel=kernel, block=block, document_mask=DOCUMENT_MASKS[kernel])
+        ins = g.inputs(node)
+        v_dim, qk_dim = ins["v"].type.size("head_dim"), ins["q"].type.size("head_dim")
+        v_head_dim = v_dim if v_dim != qk_dim else None
+        pad_v = v_head_dim is not None and kernel not in TAKES_V_HEAD_DIM
+        g.update(
+            node,
+            kernel=kernel,
+            block=block,
+            document_mask=DOCUMENT_MASKS[kernel],
+            v_head_dim=v_head_dim,
+            pad_v=pad_v,
+        )
     blocks = {n.attrs.block for n in g.nodes(op="attention") if n.attrs.block}
     g.attrs["splash_block"] = _one(blocks, "splash block lengths")
 

@@ -18,6 +18,7 @@ LOGICAL_AXES: dict[str, str] = {
     "mlp": "f",
     "vocab": "v",
     "expert": "x",
+    "latent": "r",  # MLA's low-rank latents of the queries and of the keys and values
     "amax_history": "a",  # fp8 delayed scaling's history of maxima
     "fp8_operand": "o",  # x, w and the gradient of an fp8 dot
     "layers": "l",  # a block's params stacked over its layers

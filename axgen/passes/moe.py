@@ -18,6 +18,7 @@ class MoEAttrs(Attrs):
     capacity_factor: float | None = None
     activation: str
     renormalize: bool = True  # whether the top-k routing weights are rescaled to sum to 1
+    routed_scale: float | None = None  # what the top-k routing weights are multiplied by (DeepSeek)
     # gpt-oss's experts (passes/gpt_oss_experts.py): biases b_gate, b_up, b_down beside the weights, and the clamped
     # SwiGLU's sigmoid gain and clamp (activation "clamped_swiglu").
     biased: bool = False
@@ -93,6 +94,7 @@ def moe(g: Graph, cfg: MoE) -> None:
             capacity_factor=cfg.capacity_factor,
             activation=next(n.op for n in mlp.nodes if n.op in ("swiglu", "gelu")),
             renormalize=cfg.renormalize,
+            routed_scale=cfg.routed_scale,
             aux=aux,
             aux_weights=tuple(losses.items()),
         )
