@@ -61,7 +61,8 @@ def gradients(loss_fn, params, batch, microbatch: int, specs, rules: dict):
 
     def add(total, new, spec):
         # Statistics (fp8 amax histories) come back whole from each microbatch: the batch's is their maximum.
-        return total + new if spec.trained else jnp.maximum(total, new)
+        # Experts' loads (a correction bias's backward value) add up over the microbatches, as gradients do.
+        return total + new if spec.trained or spec.balance_rate is not None else jnp.maximum(total, new)
 
     def add_microbatch(totals, microbatch):
         values, grads = grad_fn(params, microbatch)
@@ -100,12 +101,20 @@ def _microbatches(batch, accum_steps: int):
 def apply_gradients(optimizer, learning_rate, state: dict, grads, loss, metrics: dict, specs):
     """The next state and the step's metrics (with loss, grad_norm, the step's lr and whether it was skipped). Statistics (params with trained=False,
     e.g. fp8 amax histories) are not trained: backward returns each one's next value where a gradient would be. A
-    non-finite loss or gradient never reaches the params or the optimizer's moments: the step is skipped."""
+    correction bias (a statistic with a balance_rate) gets each expert's load over the step instead, and moves by
+    the rate toward balance: up for an expert below the mean load, down above it (DeepSeek-V3). A non-finite loss
+    or gradient never reaches the params or the optimizer's moments: the step is skipped."""
     statistics = grads
     grads = jax.tree.map(lambda g, spec: g if spec.trained else jnp.zeros_like(g), grads, specs)
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    params = jax.tree.map(lambda p, new, spec: p if spec.trained else new, params, statistics, specs)
+    params = jax.tree.map(
+        lambda p, new, old, spec: p if spec.trained else _statistic(old, new, spec),
+        params,
+        statistics,
+        state["params"],
+        specs,
+    )
     metrics = {
         **metrics,
         "loss": loss,
@@ -120,3 +129,17 @@ def apply_gradients(optimizer, learning_rate, state: dict, grads, loss, metrics:
     )
     metrics["skipped"] = jnp.logical_not(finite)
     return {"step": state["step"] + 1, "params": kept[0], "opt_state": kept[1]}, metrics
+
+
+def balanced(bias, load, rate: float):
+    """DeepSeek-V3's auxiliary-loss-free update of a correction bias [..., experts] from its experts' loads over
+    the step: bias + rate * sign(mean load - load), the mean over the last axis (one layer's experts). A load
+    scaled by any positive factor (a mean instead of a count, a sum over devices counted twice) moves it the same.
+    """
+    mean = load.mean(axis=-1, keepdims=True)
+    return bias + rate * jnp.sign(mean - load).astype(bias.dtype)
+
+
+def _statistic(old, new, spec):
+    """A statistic's next value: what backward returned, or a correction bias moved by its experts' loads."""
+    return new if spec.balance_rate is None else balanced(old, new, spec.balance_rate)
