@@ -19,6 +19,13 @@ class MoEAttrs(Attrs):
     activation: str
     renormalize: bool = True  # whether the top-k routing weights are rescaled to sum to 1
     routed_scale: float | None = None  # what the top-k routing weights are multiplied by (DeepSeek)
+    # DeepSeek's routing: sigmoid scores, a correction bias (param `correction_bias`) that chooses experts and
+    # weights none, and the choice limited to each token's best `topk_group` of `n_group` groups of experts.
+    scoring: str = "softmax"
+    correction_bias: bool = False
+    n_group: int | None = None
+    topk_group: int | None = None
+    group_score: str | None = None
     # gpt-oss's experts (passes/gpt_oss_experts.py): biases b_gate, b_up, b_down beside the weights, and the clamped
     # SwiGLU's sigmoid gain and clamp (activation "clamped_swiglu").
     biased: bool = False
@@ -78,11 +85,15 @@ def moe(g: Graph, cfg: MoE) -> None:
         logits = g.add(block, "router", "linear", {"x": h}, {"w": router})
         mlp_weights = [p for n in mlp.nodes for p in n.params.values()]
         weights = {p.key: _expert(p, experts, len(mlp_weights) == 3) for p in mlp_weights}
+        if cfg.balance_bias_rate is not None:
+            weights["correction_bias"] = _correction_bias(experts, cfg.balance_bias_rate)
         # A spec without a Train block may leave the weights out (MoE.check_model): it only runs forward.
         losses = {
             "load_balance_loss": cfg.aux_loss_weight or 0.0,
             "router_z_loss": cfg.router_z_loss_weight or 0.0,
         }
+        if cfg.seq_aux_loss_weight:  # only when on: a program without it prints no code for it
+            losses["seq_balance_loss"] = cfg.seq_aux_loss_weight
         aux = (*losses, "dropped_fraction") if cfg.capacity_factor else tuple(losses)
         out = g.add(
             block,
@@ -95,6 +106,11 @@ def moe(g: Graph, cfg: MoE) -> None:
             activation=next(n.op for n in mlp.nodes if n.op in ("swiglu", "gelu")),
             renormalize=cfg.renormalize,
             routed_scale=cfg.routed_scale,
+            scoring=cfg.scoring,
+            correction_bias=cfg.balance_bias_rate is not None,
+            n_group=cfg.n_group,
+            topk_group=cfg.topk_group,
+            group_score=cfg.group_score,
             aux=aux,
             aux_weights=tuple(losses.items()),
         )
@@ -132,6 +148,16 @@ def _sigmoid_gate(ins, attrs, params):
 
 
 register_op("sigmoid_gate", ("x", "gate"), _sigmoid_gate, "moe")
+
+
+def _correction_bias(experts: TensorType, rate: float) -> Param:
+    """DeepSeek-V3's e_score_correction_bias: a statistic, not trained; the train step moves it by `rate` toward
+    balance from the experts' loads its backward returns (runtime.balanced). Not decayed: AdamW never sees it.
+    """
+    hf = HFWeight(f"{LAYER}.mlp.gate.e_score_correction_bias")
+    return Param(
+        "correction_bias", experts, init="zeros", decay=False, trained=False, balance_rate=rate, hf=hf
+    )
 
 
 def _expert(weight: Param, experts: TensorType, gated: bool) -> Param:
