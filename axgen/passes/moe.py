@@ -1,7 +1,8 @@
 """Mixture of experts: the MLP of every `every`-th layer becomes a router and `num_experts` expert MLPs.
 
 With `every > 1` the decoder block splits in two, dense and MoE, scanned in turn; the expert weights are the
-MLP's own weights with a leading `expert` axis, so the MoE keeps the spec's activation.
+MLP's own weights with a leading `expert` axis, so the MoE keeps the spec's activation. With `first_dense_layers`
+the first layers are scanned apart before the others, their dense MLP `dense_hidden_dim` wide (DeepSeek).
 """
 
 import dataclasses
@@ -75,6 +76,10 @@ register_op("moe", ("x", "router_logits"), _moe, "moe", MoEAttrs, _moe_flops)
 def moe(g: Graph, cfg: MoE) -> None:
     for scan in list(g.nodes(op="scan")):
         block = scan.attrs.blocks[-1]
+        if cfg.first_dense_layers:
+            head = g.split_head(scan, cfg.first_dense_layers, f"dense_{block}", "dense_decoder_layer")
+            dense = g.subgraph(head.attrs.blocks[0], lambda n: n.label == "mlp" and n.op != "add")
+            g.resize(dense.nodes, "mlp", cfg.dense_hidden_dim)
         if cfg.every > 1:
             block = g.split_block(scan, cfg.every, f"moe_{block}", "moe_decoder_layer").name
         mlp = g.subgraph(block, lambda n: n.label == "mlp" and n.op != "add")

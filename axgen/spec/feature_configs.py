@@ -225,7 +225,10 @@ class MoE(Feature):
     balancing; 0.0 holds it fixed, as to fine-tune). `n_group` splits the experts into that many equal groups and
     a token chooses among the experts of its best `topk_group` groups, a group ranked by `group_score`: "top2_sum"
     (its two highest scores, bias included: V3's `noaux_tc`) or "max" (V2's `group_limited_greedy`).
-    `seq_aux_loss_weight` weighs DeepSeek-V3's sequence-wise balance loss (0.0: off).
+    `seq_aux_loss_weight` weighs DeepSeek-V3's sequence-wise balance loss (0.0: off). The first
+    `first_dense_layers` layers keep a dense MLP, `dense_hidden_dim` wide (DeepSeek's `first_k_dense_replace` and
+    `intermediate_size`; the experts' width, `moe_intermediate_size`, is the decoder's), scanned apart before the
+    others.
     """
 
     pass_name: typing.ClassVar[str] = "moe"
@@ -239,6 +242,8 @@ class MoE(Feature):
         "n_group": "n_group (DeepSeek)",
         "topk_group": "topk_group (DeepSeek)",
         "group_score": "topk_method: noaux_tc -> top2_sum, group_limited_greedy -> max (DeepSeek)",
+        "first_dense_layers": "first_k_dense_replace (DeepSeek)",
+        "dense_hidden_dim": "intermediate_size (DeepSeek; the experts' moe_intermediate_size is the decoder's)",
     }
     num_experts: int
     top_k: int
@@ -256,6 +261,8 @@ class MoE(Feature):
     topk_group: int | None = None
     group_score: str | None = None
     seq_aux_loss_weight: float = 0.0
+    first_dense_layers: int = 0
+    dense_hidden_dim: int | None = None
 
     def validate(self) -> None:
         self.require_positive("top_k", "every")
@@ -283,6 +290,20 @@ class MoE(Feature):
             )
         if self.balance_bias_rate is not None and self.balance_bias_rate < 0:
             self.fail("balance_bias_rate", "must be >= 0 (0.0 holds the correction bias fixed)")
+        if self.first_dense_layers < 0:
+            self.fail("first_dense_layers", "must be >= 0")
+        if self.first_dense_layers and self.dense_hidden_dim is None:
+            self.fail("dense_hidden_dim", f"is needed for the first_dense_layers={self.first_dense_layers}")
+        if self.dense_hidden_dim is not None:
+            self.require_positive("dense_hidden_dim")
+            if not self.first_dense_layers:
+                self.fail(
+                    "dense_hidden_dim", "is the width of the first dense layers: set first_dense_layers"
+                )
+            if self.every > 1:
+                self.fail(
+                    "every", "must be 1 with first_dense_layers (the dense layers between would differ)"
+                )
         if self.seq_aux_loss_weight < 0:
             self.fail("seq_aux_loss_weight", "must be >= 0 (0.0 turns the loss off)")
         if self.n_group is None:
@@ -310,6 +331,10 @@ class MoE(Feature):
         return (*usual, "scoring") if self.scoring == "softmax" else usual
 
     def check_model(self, model: Model) -> None:
+        if self.first_dense_layers >= model.decoder.num_layers:
+            self.fail(
+                "first_dense_layers", f"leaves no MoE layer of Decoder.num_layers={model.decoder.num_layers}"
+            )
         if model.decoder.num_layers % self.every:
             self.fail("every", f"does not divide Decoder.num_layers={model.decoder.num_layers}")
         if model.train is not None:
