@@ -13,9 +13,11 @@ import pytest
 
 from axgen.build import build
 from axgen.files import write_atomically
-from axgen.interop import load_program
+from axgen.hf_export import hf_config
+from axgen.interop import CheckpointError, load_program
 from axgen.loader import load_spec
 from axgen.runtime.program import Program
+from axgen.runtime.training import balanced
 from axgen.spec import SpecError
 from tests.conftest import ROOT
 
@@ -266,3 +268,23 @@ def test_loads_add_up_over_microbatches_and_over_devices(tmp_path):
 def test_deepseek_routing_values_that_cannot_be_are_one_line(tmp_path, moe, message):
     with pytest.raises(SpecError, match=message):
         load_spec(spec_with(tmp_path, **moe))
+
+
+@pytest.mark.parametrize(
+    "moe, message",
+    [
+        (dict(scoring="sigmoid"), r"MoE.scoring='sigmoid': no family axgen exports routes as DeepSeek does$"),
+        (
+            dict(balance_bias_rate=0.0),
+            r"MoE.balance_bias_rate=0.0: no family axgen exports routes as DeepSeek does$",
+        ),
+        (dict(n_group=2, topk_group=1, group_score="max"), r"MoE.n_group=2: no family axgen exports routes"),
+        (
+            dict(every=1, first_dense_layers=1, dense_hidden_dim=64),
+            r"MoE.first_dense_layers=1: no family axgen",
+        ),
+    ],
+)
+def test_export_refuses_deepseek_routing_no_exported_family_states(tmp_path, moe, message):
+    with pytest.raises(CheckpointError, match=message):
+        hf_config(load_spec(spec_with(tmp_path, **moe)), "float32")
