@@ -41,6 +41,24 @@ TOKENIZER_FILES = (
 LAYOUT_FAMILIES = {"deepseek_v2"}
 
 
+def _refuse_deepseek_routing(moe) -> None:
+    """DeepSeek's routing (F.moe scoring, correction bias, groups, leading dense layers) has no exported family yet:
+    a Mixtral or Qwen config would state another model."""
+    if moe is None:
+        return
+    fields = {
+        "scoring": moe.scoring != "softmax",
+        "balance_bias_rate": moe.balance_bias_rate is not None,
+        "n_group": moe.n_group is not None,
+        "first_dense_layers": moe.first_dense_layers > 0,
+    }
+    for name, set_here in fields.items():
+        if set_here:
+            raise CheckpointError(
+                f"{moe.origin}: MoE.{name}={getattr(moe, name)!r}: no family axgen exports routes as DeepSeek does"
+            )
+
+
 def hf_config(spec: Model, dtype: str) -> dict:
     """config.json of the spec, in its family's transformers 4.x keys (which transformers 5 reads too)."""
     name = family(spec)
@@ -50,6 +68,7 @@ def hf_config(spec: Model, dtype: str) -> dict:
         raise CheckpointError(
             f"{moe.origin}: MoE.routed_scale={moe.routed_scale}: no family axgen exports scales its routed experts"
         )
+    _refuse_deepseek_routing(moe)
     if (rope.rotary_dim is not None or rope.interleaved) and name not in LAYOUT_FAMILIES:
         raise CheckpointError(
             f"{rope.origin}: RoPE.rotary_dim={rope.rotary_dim}, interleaved={rope.interleaved}: "

@@ -124,6 +124,7 @@ def _param_entry(param, stack: int | None = None) -> str:
             f", std={param.std}" if param.init == "normal" and param.std != 0.02 else "",
             ", decay=False" if not param.decay else "",
             ", trained=False" if not param.trained else "",
+            f", balance_rate={param.balance_rate}" if param.balance_rate is not None else "",
         ]
     )
     return f'"{param.key}": ParamSpec({shape!r}, {axes!r}{extra}),'

@@ -82,6 +82,8 @@ class Param:
     std: float = 0.02
     decay: bool = True  # whether AdamW's weight decay applies
     trained: bool = True  # False: a statistic the step overwrites with what backward returns for it
+    # A statistic whose backward value is each expert's load: the step moves it by this rate toward balance.
+    balance_rate: float | None = None
     hf: HFWeight | None = None  # None: not in HF checkpoints (starts from its init)
 
     @property
@@ -90,4 +92,7 @@ class Param:
 
     def __str__(self) -> str:
         init = f"normal({self.std})" if self.init == "normal" else self.init
-        return f"{self.key}{self.type} {init}{'' if self.decay else ' no-decay'}{'' if self.trained else ' untrained'}"
+        return f"{self.key}{self.type} {init}{'' if self.decay else ' no-decay'}{'' if self.trained else ' untrained'}{self._balanced()}"
+
+    def _balanced(self) -> str:
+        return "" if self.balance_rate is None else f" balance_rate={self.balance_rate}"

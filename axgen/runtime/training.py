@@ -61,15 +61,14 @@ def gradients(loss_fn, params, batch, microbatch: int, specs, rules: dict):
 
     def on_replica(params, batch):
         values, grads = accumulate(params, batch)
-        # Each replica's sums are means over its own rows: the batch's are their mean (statistics: their maximum).
-        values = jax.lax.pmean(values, replicas)
-        grads = jax.tree.map(
-            lambda g, spec: jax.lax.pmean(g, replicas) if spec.trained else jax.lax.pmax(g, replicas),
-            grads,
-            specs,
-            is_leaf=is_param_spec,
-        )
-        return values, grads
+
+        # Each replica's sums are means over its own rows: the batch's are their mean (statistics: their maximum;
+        # experts' loads add up as gradients do).
+        def across(g, spec):
+            summed = spec.trained or spec.balance_rate is not None
+            return jax.lax.pmean(g, replicas) if summed else jax.lax.pmax(g, replicas)
+
+        return jax.lax.pmean(values, replicas), jax.tree.map(across, grads, specs, is_leaf=is_param_spec)
 
     # Unchecked: with shard_map's replication types, each pass's gradient of the replicated params would be
     # summed over the replicas where it is made (the transpose of their broadcast), once per pass.
@@ -99,7 +98,8 @@ def _accumulated(loss_fn, params, batch, accum_steps: int, specs, rules: dict):
 
     def add(total, new, spec):
         # Statistics (fp8 amax histories) come back whole from each microbatch: the batch's is their maximum.
-        return total + new if spec.trained else jnp.maximum(total, new)
+        # Experts' loads (a correction bias's backward value) add up over the microbatches, as gradients do.
+        return total + new if spec.trained or spec.balance_rate is not None else jnp.maximum(total, new)
 
     def add_microbatch(totals, microbatch):
         values, grads = grad_fn(params, microbatch)
@@ -138,12 +138,20 @@ def _microbatches(batch, accum_steps: int):
 def apply_gradients(optimizer, learning_rate, state: dict, grads, loss, metrics: dict, specs):
     """The next state and the step's metrics (with loss, grad_norm, the step's lr and whether it was skipped). Statistics (params with trained=False,
     e.g. fp8 amax histories) are not trained: backward returns each one's next value where a gradient would be. A
-    non-finite loss or gradient never reaches the params or the optimizer's moments: the step is skipped."""
+    correction bias (a statistic with a balance_rate) gets each expert's load over the step instead, and moves by
+    the rate toward balance: up for an expert below the mean load, down above it (DeepSeek-V3). A non-finite loss
+    or gradient never reaches the params or the optimizer's moments: the step is skipped."""
     statistics = grads
     grads = jax.tree.map(lambda g, spec: g if spec.trained else jnp.zeros_like(g), grads, specs)
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    params = jax.tree.map(lambda p, new, spec: p if spec.trained else new, params, statistics, specs)
+    params = jax.tree.map(
+        lambda p, new, old, spec: p if spec.trained else _statistic(old, new, spec),
+        params,
+        statistics,
+        state["params"],
+        specs,
+    )
     metrics = {
         **metrics,
         "loss": loss,
@@ -158,3 +166,17 @@ def apply_gradients(optimizer, learning_rate, state: dict, grads, loss, metrics:
     )
     metrics["skipped"] = jnp.logical_not(finite)
     return {"step": state["step"] + 1, "params": kept[0], "opt_state": kept[1]}, metrics
+
+
+def balanced(bias, load, rate: float):
+    """DeepSeek-V3's auxiliary-loss-free update of a correction bias [..., experts] from its experts' loads over
+    the step: bias + rate * sign(mean load - load), the mean over the last axis (one layer's experts). A load
+    scaled by any positive factor (a mean instead of a count, a sum over devices counted twice) moves it the same.
+    """
+    mean = load.mean(axis=-1, keepdims=True)
+    return bias + rate * jnp.sign(mean - load).astype(bias.dtype)
+
+
+def _statistic(old, new, spec):
+    """A statistic's next value: what backward returned, or a correction bias moved by its experts' loads."""
+    return new if spec.balance_rate is None else balanced(old, new, spec.balance_rate)
