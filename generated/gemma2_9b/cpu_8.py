@@ -3,7 +3,7 @@
 # Mesh: data=2 fsdp=2 expert=1 model=2 on 8 x host CPU core (backends/cpu.py: mesh rule 'cpu-8': every mesh axis at size 2, so CPU runs exercise the sharding that accelerator targets use)
 # Passes: sliding_window(window=4096, global_every=2) · gemma_block() · rope(theta=10000.0) · softcap(attention=50.0, final=30.0)
 # Lowering: attention xla_softcap (backends/cpu.py)
-# Loss: runtime.lm_head_cross_entropy, the output head fused with the cross-entropy 256 positions at a time, logits soft-capped; no whole logits in a training step (backends/lowering.py)
+# Loss: runtime.lm_head_cross_entropy, the output head fused with the cross-entropy 64 positions at a time, logits soft-capped; no whole logits in a training step (backends/lowering.py)
 """gemma2-9b training program for cpu-8.
 
 Run `python cpu_8.py --data DATASET --run-dir DIR` to train on an `axgen data` directory; import it to call `forward(params, tokens)`.
@@ -345,12 +345,12 @@ def target_losses(params, tokens, segment_ids, loss_mask):
     `loss_mask` is 1 for the tokens the dataset trains (a conversation's assistant turns; all of plain text). A
     target trains when it continues the document of the token that predicts it and its mask is 1."""
     hidden, aux = hidden_with_aux(params, tokens[:, :-1], segment_ids[:, :-1])
-    # The output head and the cross-entropy together, 256 positions at a time: the whole logits never exist.
+    # The output head and the cross-entropy together, 64 positions at a time: the whole logits never exist.
     losses = runtime.lm_head_cross_entropy(
         hidden,
         params["embed"].astype(COMPUTE_DTYPE),
         tokens[:, 1:],
-        chunk=256,
+        chunk=64,
         rules=LOGICAL_AXIS_RULES,
         tied=True,
         soft_cap=30.0,

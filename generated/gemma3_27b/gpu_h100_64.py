@@ -3,7 +3,7 @@
 # Mesh: data=1 fsdp=64 expert=1 model=1 on 64 x NVIDIA H100 SXM (specs/gemma3_27b.py: mesh rule 'gpu-h100-\d+': 27B, 262k vocab: fully sharded over every GPU, one sequence per pass, full remat)
 # Passes: qk_norm(eps=1e-06) · sliding_window(window=1024, global_every=6) · gemma_block() · rope(theta=1000000.0, scaling=linear(factor=8.0), local_theta=10000.0)
 # Lowering: remat(policy=full) (specs/gemma3_27b.py: mesh rule 'gpu-h100-\d+') · attention cudnn (backends/gpu.py)
-# Loss: runtime.lm_head_cross_entropy, the output head fused with the cross-entropy 256 positions at a time; no whole logits in a training step (backends/lowering.py)
+# Loss: runtime.lm_head_cross_entropy, the output head fused with the cross-entropy 512 positions at a time; no whole logits in a training step (backends/lowering.py)
 """gemma3-27b training program for gpu-h100-64.
 
 Run `python gpu_h100_64.py --data DATASET --run-dir DIR` to train on an `axgen data` directory; import it to call `forward(params, tokens)`.
@@ -403,12 +403,12 @@ def target_losses(params, tokens, segment_ids, loss_mask):
     `loss_mask` is 1 for the tokens the dataset trains (a conversation's assistant turns; all of plain text). A
     target trains when it continues the document of the token that predicts it and its mask is 1."""
     hidden, aux = hidden_with_aux(params, tokens[:, :-1], segment_ids[:, :-1])
-    # The output head and the cross-entropy together, 256 positions at a time: the whole logits never exist.
+    # The output head and the cross-entropy together, 512 positions at a time: the whole logits never exist.
     losses = runtime.lm_head_cross_entropy(
         hidden,
         params["embed"].astype(COMPUTE_DTYPE),
         tokens[:, 1:],
-        chunk=256,
+        chunk=512,
         rules=LOGICAL_AXIS_RULES,
         tied=True,
     )

@@ -3,7 +3,7 @@
 # Mesh: data=1 fsdp=128 expert=1 model=1 on 128 x TPU v5p (specs/gemma3_27b.py: mesh rule 'tpu-v5p-\d+': 27B, 262k vocab: fully sharded, one sequence per pass, full remat)
 # Passes: qk_norm(eps=1e-06) · sliding_window(window=1024, global_every=6) · gemma_block() · rope(theta=1000000.0, scaling=linear(factor=8.0), local_theta=10000.0)
 # Lowering: remat(policy=full) (specs/gemma3_27b.py: mesh rule 'tpu-v5p-\d+') · attention splash (blocks of 512) (backends/tpu.py)
-# Loss: runtime.lm_head_cross_entropy, the output head fused with the cross-entropy 256 positions at a time; no whole logits in a training step (backends/lowering.py)
+# Loss: runtime.lm_head_cross_entropy, the output head fused with the cross-entropy 512 positions at a time; no whole logits in a training step (backends/lowering.py)
 """gemma3-27b training program for tpu-v5p-128.
 
 Run `python tpu_v5p_128.py --data DATASET --run-dir DIR` to train on an `axgen data` directory; import it to call `forward(params, tokens)`.
@@ -475,12 +475,12 @@ def target_losses(params, tokens, segment_ids, loss_mask):
     `loss_mask` is 1 for the tokens the dataset trains (a conversation's assistant turns; all of plain text). A
     target trains when it continues the document of the token that predicts it and its mask is 1."""
     hidden, aux = hidden_with_aux(params, tokens[:, :-1], segment_ids[:, :-1])
-    # The output head and the cross-entropy together, 256 positions at a time: the whole logits never exist.
+    # The output head and the cross-entropy together, 512 positions at a time: the whole logits never exist.
     losses = runtime.lm_head_cross_entropy(
         hidden,
         params["embed"].astype(COMPUTE_DTYPE),
         tokens[:, 1:],
-        chunk=256,
+        chunk=512,
         rules=LOGICAL_AXIS_RULES,
         tied=True,
     )

@@ -3,7 +3,7 @@
 # Mesh: data=2 fsdp=2 expert=1 model=2 on 8 x host CPU core (backends/cpu.py: mesh rule 'cpu-8': every mesh axis at size 2, so CPU runs exercise the sharding that accelerator targets use)
 # Passes: attention_sinks() · moe(num_experts=32, top_k=4, every=1, aux_loss_weight=0.9) · gpt_oss_experts(alpha=1.702, limit=7.0) · out_bias() · qkv_bias() · sliding_window(window=128, global_every=2) · rope(theta=150000.0, scaling=yarn(factor=32.0, beta_fast=32.0, beta_slow=1.0, original_max_position=4096, attention_factor=1.3465735902799727, truncate=False))
 # Lowering: attention xla_sinks (backends/cpu.py)
-# Loss: runtime.lm_head_cross_entropy, the output head fused with the cross-entropy 256 positions at a time; no whole logits in a training step (backends/lowering.py)
+# Loss: runtime.lm_head_cross_entropy, the output head fused with the cross-entropy 64 positions at a time; no whole logits in a training step (backends/lowering.py)
 """gpt-oss-20b training program for cpu-8.
 
 Run `python cpu_8.py --data DATASET --run-dir DIR` to train on an `axgen data` directory; import it to call `forward(params, tokens)`.
@@ -535,12 +535,12 @@ def target_losses(params, tokens, segment_ids, loss_mask):
     `loss_mask` is 1 for the tokens the dataset trains (a conversation's assistant turns; all of plain text). A
     target trains when it continues the document of the token that predicts it and its mask is 1."""
     hidden, aux = hidden_with_aux(params, tokens[:, :-1], segment_ids[:, :-1])
-    # The output head and the cross-entropy together, 256 positions at a time: the whole logits never exist.
+    # The output head and the cross-entropy together, 64 positions at a time: the whole logits never exist.
     losses = runtime.lm_head_cross_entropy(
         hidden,
         params["lm_head"].astype(COMPUTE_DTYPE),
         tokens[:, 1:],
-        chunk=256,
+        chunk=64,
         rules=LOGICAL_AXIS_RULES,
     )
     return losses, runtime.trained_targets(segment_ids, loss_mask), aux

@@ -3,7 +3,7 @@
 # Mesh: data=1 fsdp=256 expert=1 model=1 on 256 x TPU v5e (backends/tpu.py: mesh rule 'tpu-v5e-256(x\d+)?': fully sharded over the slice, projections offloaded to host, one sequence per chip per pass)
 # Passes: sliding_window(window=4096) · rope(theta=10000.0)
 # Lowering: remat(policy=offload_dots) (backends/tpu.py: mesh rule 'tpu-v5e-256(x\d+)?') · attention splash (blocks of 512) (backends/tpu.py)
-# Loss: runtime.lm_head_cross_entropy, the output head fused with the cross-entropy 4096 positions at a time; no whole logits in a training step (backends/lowering.py)
+# Loss: runtime.lm_head_cross_entropy, the output head fused with the cross-entropy 1024 positions at a time; no whole logits in a training step (backends/lowering.py)
 """mistral-7b training program for tpu-v5e-256.
 
 Run `python tpu_v5e_256.py --data DATASET --run-dir DIR` to train on an `axgen data` directory; import it to call `forward(params, tokens)`.
@@ -358,12 +358,12 @@ def target_losses(params, tokens, segment_ids, loss_mask):
     `loss_mask` is 1 for the tokens the dataset trains (a conversation's assistant turns; all of plain text). A
     target trains when it continues the document of the token that predicts it and its mask is 1."""
     hidden, aux = hidden_with_aux(params, tokens[:, :-1], segment_ids[:, :-1])
-    # The output head and the cross-entropy together, 4096 positions at a time: the whole logits never exist.
+    # The output head and the cross-entropy together, 1024 positions at a time: the whole logits never exist.
     losses = runtime.lm_head_cross_entropy(
         hidden,
         params["lm_head"].astype(COMPUTE_DTYPE),
         tokens[:, 1:],
-        chunk=4096,
+        chunk=1024,
         rules=LOGICAL_AXIS_RULES,
     )
     return losses, runtime.trained_targets(segment_ids, loss_mask), aux

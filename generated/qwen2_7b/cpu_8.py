@@ -3,7 +3,7 @@
 # Mesh: data=2 fsdp=2 expert=1 model=2 on 8 x host CPU core (backends/cpu.py: mesh rule 'cpu-8': every mesh axis at size 2, so CPU runs exercise the sharding that accelerator targets use)
 # Passes: qkv_bias() · rope(theta=1000000.0)
 # Lowering: attention xla (backends/cpu.py)
-# Loss: runtime.lm_head_cross_entropy, the output head fused with the cross-entropy 256 positions at a time; no whole logits in a training step (backends/lowering.py)
+# Loss: runtime.lm_head_cross_entropy, the output head fused with the cross-entropy 128 positions at a time; no whole logits in a training step (backends/lowering.py)
 """qwen2-7b training program for cpu-8.
 
 Run `python cpu_8.py --data DATASET --run-dir DIR` to train on an `axgen data` directory; import it to call `forward(params, tokens)`.
@@ -258,12 +258,12 @@ def target_losses(params, tokens, segment_ids, loss_mask):
     `loss_mask` is 1 for the tokens the dataset trains (a conversation's assistant turns; all of plain text). A
     target trains when it continues the document of the token that predicts it and its mask is 1."""
     hidden, aux = hidden_with_aux(params, tokens[:, :-1], segment_ids[:, :-1])
-    # The output head and the cross-entropy together, 256 positions at a time: the whole logits never exist.
+    # The output head and the cross-entropy together, 128 positions at a time: the whole logits never exist.
     losses = runtime.lm_head_cross_entropy(
         hidden,
         params["lm_head"].astype(COMPUTE_DTYPE),
         tokens[:, 1:],
-        chunk=256,
+        chunk=128,
         rules=LOGICAL_AXIS_RULES,
     )
     return losses, runtime.trained_targets(segment_ids, loss_mask), aux

@@ -3,7 +3,7 @@
 # Mesh: data=1 fsdp=128 expert=1 model=1 on 128 x NVIDIA H100 SXM (specs/qwen3_235b_a22b.py: mesh rule '(tpu-v5p|gpu-h100)-\d+': 235B MoE: fully sharded, one sequence per pass, full remat)
 # Passes: moe(num_experts=128, top_k=8, every=1, aux_loss_weight=0.001) · qk_norm(eps=1e-06) · rope(theta=1000000.0)
 # Lowering: remat(policy=full) (specs/qwen3_235b_a22b.py: mesh rule '(tpu-v5p|gpu-h100)-\d+') · attention cudnn · experts by mosaic_gpu (backends/gpu.py)
-# Loss: runtime.lm_head_cross_entropy, the output head fused with the cross-entropy 512 positions at a time; no whole logits in a training step (backends/lowering.py)
+# Loss: runtime.lm_head_cross_entropy, the output head fused with the cross-entropy 1024 positions at a time; no whole logits in a training step (backends/lowering.py)
 """qwen3-235b-a22b training program for gpu-h100-128.
 
 Run `python gpu_h100_128.py --data DATASET --run-dir DIR` to train on an `axgen data` directory; import it to call `forward(params, tokens)`.
@@ -435,12 +435,12 @@ def target_losses(params, tokens, segment_ids, loss_mask):
     `loss_mask` is 1 for the tokens the dataset trains (a conversation's assistant turns; all of plain text). A
     target trains when it continues the document of the token that predicts it and its mask is 1."""
     hidden, aux = hidden_with_aux(params, tokens[:, :-1], segment_ids[:, :-1])
-    # The output head and the cross-entropy together, 512 positions at a time: the whole logits never exist.
+    # The output head and the cross-entropy together, 1024 positions at a time: the whole logits never exist.
     losses = runtime.lm_head_cross_entropy(
         hidden,
         params["lm_head"].astype(COMPUTE_DTYPE),
         tokens[:, 1:],
-        chunk=512,
+        chunk=1024,
         rules=LOGICAL_AXIS_RULES,
     )
     return losses, runtime.trained_targets(segment_ids, loss_mask), aux
