@@ -32,9 +32,13 @@ def _forward(logits, labels):
 
 def _backward(residuals, grad):
     logits, labels, log_norm = residuals
-    probs = jnp.exp(logits.astype(jnp.float32) - log_norm[..., None])
-    one_hot = jax.nn.one_hot(labels, logits.shape[-1], dtype=jnp.float32)
-    return ((probs - one_hot) * grad[..., None]).astype(logits.dtype), None
+    return _d_logits(logits.astype(jnp.float32), labels, log_norm, grad).astype(logits.dtype), None
+
+
+def _d_logits(logits, labels, log_norm, grad):
+    """The cross-entropy's gradient w.r.t. float32 logits: (softmax - one_hot) times each position's `grad`."""
+    probs = jnp.exp(logits - log_norm[..., None])
+    return (probs - jax.nn.one_hot(labels, logits.shape[-1], dtype=jnp.float32)) * grad[..., None]
 
 
 cross_entropy.defvjp(_forward, _backward)
@@ -81,9 +85,7 @@ def lm_head_cross_entropy(hidden, w, labels, *, chunk, rules, tied=False, soft_c
     def forward(hidden, w, labels):
         def one_chunk(_, xs):
             h, y = xs
-            logits = capped_logits(h, w)
-            log_norm = jax.nn.logsumexp(logits, axis=-1)
-            return None, (log_norm - jnp.take_along_axis(logits, y[..., None], axis=-1)[..., 0], log_norm)
+            return None, _losses(capped_logits(h, w), y)
 
         _, (losses, log_norm) = jax.lax.scan(one_chunk, None, (to_chunks(hidden), to_chunks(labels)))
         return from_chunks(losses), (hidden, w, labels, log_norm)
@@ -94,10 +96,7 @@ def lm_head_cross_entropy(hidden, w, labels, *, chunk, rules, tied=False, soft_c
         def one_chunk(grad_w, xs):
             h, y, norm, g = xs
             logits = capped_logits(h, w)
-            d_logits = jnp.exp(logits - norm[..., None]) - jax.nn.one_hot(
-                y, logits.shape[-1], dtype=jnp.float32
-            )
-            d_logits = d_logits * g[..., None]
+            d_logits = _d_logits(logits, y, norm, g)
             if soft_cap is not None:  # d(cap * tanh(z / cap)) / dz = 1 - tanh^2
                 d_logits = d_logits * (1 - jnp.square(logits / soft_cap))
             d_logits = d_logits.astype(h.dtype)
