@@ -41,6 +41,10 @@ TOKENIZER_FILES = (
 LAYOUT_FAMILIES = {"deepseek_v2"}
 
 
+# The families whose config states DeepSeek's routing (FAMILY_KEYS write it and refuse what theirs cannot say).
+DEEPSEEK_FAMILIES = {"deepseek_v2"}
+
+
 def _refuse_deepseek_routing(moe) -> None:
     """DeepSeek's routing (F.moe scoring, correction bias, groups, leading dense layers) has no exported family yet:
     a Mixtral or Qwen config would state another model."""
@@ -68,7 +72,8 @@ def hf_config(spec: Model, dtype: str) -> dict:
         raise CheckpointError(
             f"{moe.origin}: MoE.routed_scale={moe.routed_scale}: no family axgen exports scales its routed experts"
         )
-    _refuse_deepseek_routing(moe)
+    if name not in DEEPSEEK_FAMILIES:
+        _refuse_deepseek_routing(moe)
     if (rope.rotary_dim is not None or rope.interleaved) and name not in LAYOUT_FAMILIES:
         raise CheckpointError(
             f"{rope.origin}: RoPE.rotary_dim={rope.rotary_dim}, interleaved={rope.interleaved}: "
@@ -311,6 +316,18 @@ def _deepseek_v2(spec: Model) -> dict:
         raise CheckpointError(
             f"{mla.origin}: MLA.eps={mla.eps!r}: DeepSeek-V2 in HF norms its latents with 1e-6"
         )
+    v2_routing = {
+        "scoring": moe.scoring == "softmax",
+        "balance_bias_rate": moe.balance_bias_rate is None,
+        "group_score": moe.n_group is None or moe.group_score == "max",
+        "seq_aux_loss_weight": not moe.seq_aux_loss_weight,
+    }
+    for field, stated in v2_routing.items():
+        if not stated:
+            raise CheckpointError(
+                f"{moe.origin}: MoE.{field}={getattr(moe, field)!r}: DeepSeek-V2 in HF scores by softmax with no "
+                "correction bias or sequence-wise loss, and ranks groups by their best expert (group_score='max')"
+            )
     qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
     scaling = _rope_scaling(rope.scaling)
     scale = spec.decoder.attention.scale
@@ -329,10 +346,20 @@ def _deepseek_v2(spec: Model) -> dict:
         "n_shared_experts": moe.shared_hidden_dim // width,
         "moe_intermediate_size": width,
         "routed_scaling_factor": moe.routed_scale or 1.0,
-        "topk_method": "greedy",
+        "topk_method": "greedy" if moe.n_group is None else "group_limited_greedy",
+        "n_group": moe.n_group,
+        "topk_group": moe.topk_group,
         "norm_topk_prob": False,
-        "first_k_dense_replace": 0,
         "aux_loss_alpha": moe.aux_loss_weight or 0.0,
+    } | _deepseek_dense_layers(moe, width)
+
+
+def _deepseek_dense_layers(moe, width: int) -> dict:
+    """first_k_dense_replace and intermediate_size, the leading dense layers' width (the experts' width where there
+    are none, as DeepSeek's configs leave it unused)."""
+    return {
+        "first_k_dense_replace": moe.first_dense_layers,
+        "intermediate_size": moe.dense_hidden_dim if moe.first_dense_layers else width,
     }
 
 
