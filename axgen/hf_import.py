@@ -192,6 +192,40 @@ DEFAULTS["deepseek_v2"] = _LLAMA | {
     "moe_layer_freq": 1,
 }
 
+# transformers 5.23's DeepseekV3Config, and the keys of DeepSeek's own V3 configs it does not read (their remote
+# code's: how it scores and chooses experts, which transformers' model does as noaux_tc with sigmoid scores).
+DEFAULTS["deepseek_v3"] = _LLAMA | {
+    "vocab_size": 129_280,
+    "hidden_size": 7168,
+    "intermediate_size": 18_432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "n_shared_experts": 1,
+    "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "qk_nope_head_dim": 128,
+    "qk_head_dim": None,
+    "n_group": 8,
+    "topk_group": 4,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 4096,
+    "rope_interleave": True,
+    "num_nextn_predict_layers": 1,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "aux_loss_alpha": 0.0,
+    "seq_aux": True,
+    "moe_layer_freq": 1,
+}
+
 
 class HFImportError(ValueError):
     """One line: the config file, and the key and value that stop the import."""
@@ -903,6 +937,59 @@ def deepseek_v2(c: Config) -> SpecSource:
     return source
 
 
+def deepseek_v3(c: Config) -> SpecSource:
+    """DeepSeek-V3: V2's multi-head latent attention, its RoPE's channels in adjacent pairs when rope_interleave
+    (transformers de-interleaves q and k alike, which leaves q.k as the pairs give it) and in halves otherwise; and
+    DeepSeek-MoE after the first first_k_dense_replace dense layers: sigmoid scores, the e_score_correction_bias
+    added to choose experts (noaux_tc: the best topk_group of n_group groups by their two best experts' sum) but not
+    to weight them, the chosen scores renormalised when norm_topk_prob and scaled by routed_scaling_factor, plus
+    n_shared_experts experts' width of shared expert. The multi-token-prediction layers (num_nextn_predict_layers,
+    the Hub's `model.layers.61.*`) are not trained here: convert-hf leaves their tensors out."""
+    _activation(c, "hidden_act", ("silu",))
+    c.expect("attention_bias", (False, None), "puts biases on q_a, kv_a and o, which axgen's MLA does not")
+    # DeepSeek's own configs state the routing transformers' deepseek_v3 computes whatever they say; other values
+    # are refused. ep_size is their inference's expert parallelism, auto_map their code's classes.
+    c.expect("topk_method", ("noaux_tc",), "is not the routing transformers' deepseek_v3 computes (noaux_tc)")
+    c.expect(
+        "scoring_func", ("sigmoid",), "scores experts otherwise than transformers' deepseek_v3 (sigmoid)"
+    )
+    c.expect(
+        "moe_layer_freq", (1,), "puts experts in some layers only, which transformers' deepseek_v3 does not"
+    )
+    c.expect("seq_aux", (True,), "asks for a batch-wise balance loss; DeepSeek-V3's is sequence-wise")
+    c.read |= {"ep_size", "auto_map"}
+    mtp = c["num_nextn_predict_layers"]
+    if type(mtp) is not int or mtp < 0:
+        raise HFImportError(f"{c.path}: num_nextn_predict_layers={_shown(mtp)} is not a count of layers")
+    interleave = c["rope_interleave"]
+    if type(interleave) is not bool:
+        raise HFImportError(f"{c.path}: rope_interleave={_shown(interleave)} is not true or false")
+    source = _deepseek_mla(c, interleaved=interleave)
+    source.mlp = f'MLP(hidden_dim={_number(c["moe_intermediate_size"])}, activation="swiglu")'
+    renormalize = c["norm_topk_prob"]
+    if type(renormalize) is not bool:
+        raise HFImportError(f"{c.path}: norm_topk_prob={_shown(renormalize)} is not true or false")
+    source.features.append(
+        # The expressions' comments reach the written spec: black keeps them in the call.
+        f'F.moe(num_experts={c["n_routed_experts"]}, top_k={c["num_experts_per_tok"]}, '
+        f'renormalize={renormalize}, scoring="sigmoid", '
+        + _deepseek_moe_fields(c)
+        + _deepseek_groups(c, "top2_sum")
+        + "\n# The config states no update rate for e_score_correction_bias: 0.0 holds the published bias as it"
+        "\n# is (DeepSeek-V3's own rate for its last 500B tokens); 0.001 is its rate for the first 14.3T.\n"
+        + "balance_bias_rate=0.0, "
+        + f'seq_aux_loss_weight={float(c["aux_loss_alpha"])!r}, aux_loss_weight=0.0, router_z_loss_weight=0.0'
+        + (
+            f"\n# num_nextn_predict_layers={mtp}: the multi-token-prediction layers are not trained here;"
+            "\n# convert-hf leaves their tensors (the Hub's model.layers.61.*) out.\n"
+            if mtp
+            else ""
+        )
+        + ")"
+    )
+    return source
+
+
 def _deepseek_mla(c: Config, interleaved: bool) -> SpecSource:
     """DeepSeek-V2's and V3's attention: multi-head latent attention (F.mla) whose RoPE turns the qk_rope_head_dim
     channels of each head (in adjacent pairs when `interleaved`), its softmax scale qk_head_dim**-0.5 times YaRN's
@@ -985,6 +1072,7 @@ FAMILIES: dict[str, Callable[[Config], SpecSource]] = {
     "gemma3": gemma3,
     "gpt_oss": gpt_oss,
     "deepseek_v2": deepseek_v2,
+    "deepseek_v3": deepseek_v3,
 }
 
 

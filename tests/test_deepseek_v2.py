@@ -139,6 +139,7 @@ def test_a_deepseek_v2_config_axgen_cannot_honour_is_one_line(key, value, messag
     [
         ("moe.replace(renormalize=True)", "keeps the top-k weights as they are"),
         ("mla.replace(eps=1e-5)", "MLA.eps=1e-05: DeepSeek-V2 in HF norms its latents with 1e-6"),
+        ("rope.replace(interleaved=False)", "RoPE.interleaved=False: DeepSeek-V2 in HF turns MLA's rope"),
     ],
 )
 def test_an_mla_spec_deepseek_v2_cannot_state_is_refused_by_export(change, message, tmp_path):
@@ -198,7 +199,8 @@ def test_the_groups_and_dense_layers_export_as_deepseek_v2_states_them():
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ('moe.replace(scoring="sigmoid")', "MoE.scoring='sigmoid': DeepSeek-V2 in HF scores by softmax"),
+        # Sigmoid scores are DeepSeek-V3's, whose HF model always has the correction bias.
+        ('moe.replace(scoring="sigmoid")', "MoE.balance_bias_rate=None: DeepSeek-V3 in HF chooses experts"),
         ("moe.replace(balance_bias_rate=0.0)", "MoE.balance_bias_rate=0.0: DeepSeek-V2 in HF"),
         ('moe.replace(group_score="top2_sum")', "MoE.group_score='top2_sum': DeepSeek-V2 in HF"),
         ("moe.replace(seq_aux_loss_weight=0.001)", "MoE.seq_aux_loss_weight=0.001: DeepSeek-V2 in HF"),

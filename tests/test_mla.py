@@ -53,7 +53,7 @@ def test_the_program_has_mla_s_projections_and_counts_their_flops(tmp_path):
     [
         (
             "[F.rope(theta=1e4), *tiny.features[1:]]",
-            "MLA.qk_rope_head_dim=8 needs F.rope(rotary_dim=8, interleaved=True)",
+            "MLA.qk_rope_head_dim=8 needs F.rope(rotary_dim=8), as MLA turns its rope channels only",
         ),
         ("[*tiny.features, F.qk_norm(eps=1e-6)]", "replaces the q, k, v projections that F.qk_norm changes"),
     ],
