@@ -78,6 +78,11 @@ def test_each_published_config_gives_the_hf_models_parameter_count(model, tmp_pa
 # Qwen3MoeConfig made from the numbers of Qwen/Qwen3-235B-A22B's config.json (94 layers, hidden 4096, 64 heads,
 # 4 kv heads, head_dim 128, 128 experts of 1536, top-8, vocab 151936, untied), on torch's meta device.
 BUNDLED = {"qwen3_235b_a22b": 235_093_634_560}
+# DeepSeek-V3: transformers 5.23's count of DeepseekV3Config's defaults (its numbers are the 671B's) with YaRN factor
+# 40 over 4096; DeepSeek-V2-Lite: of a DeepseekV2Config of 27 layers, hidden 2048, 16 heads, no q latent, kv latent
+# 512, 64 experts of 1408 top-6, 2 shared, the first layer dense at 10944, vocab 102400. Neither has its published
+# config.json in the corpus; the multi-token-prediction layer is not a parameter of transformers' model either.
+BUNDLED |= {"deepseek_v3": 671_026_404_352, "deepseek_v2_lite": 15_706_484_224}
 
 
 @pytest.mark.parametrize("name", BUNDLED)
