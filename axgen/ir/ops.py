@@ -64,8 +64,16 @@ class DotAttrs(Attrs):
 
 @dataclass(frozen=True, kw_only=True)
 class LmHeadAttrs(DotAttrs):
+    """The output head. `loss` is the lowering's: `fused`, the training loss takes the head's input and weight and
+    computes the logits and their cross-entropy `loss_chunk` positions at a time (capped by `loss_soft_cap`, the
+    softcap node after the head), so the whole logits never exist in a training step; `logits`, it takes the
+    logits the head and the nodes after it make."""
+
     tied: bool = False
     vocab: int
+    loss: str | None = None
+    loss_chunk: int | None = None
+    loss_soft_cap: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

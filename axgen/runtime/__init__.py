@@ -7,7 +7,7 @@ needs axgen installed (`pip install --no-deps axgen` beside its own jax works) b
 dependencies.
 """
 
-from axgen.runtime.losses import cross_entropy, trained_targets
+from axgen.runtime.losses import cross_entropy, lm_head_cross_entropy, trained_targets
 from axgen.runtime.params import ParamSpec, init_params
 from axgen.runtime.run import main
 from axgen.runtime.sharding import constrain, logical_to_mesh, param_shardings, shards
@@ -20,6 +20,7 @@ __all__ = [
     "cross_entropy",
     "gradients",
     "init_params",
+    "lm_head_cross_entropy",
     "logical_to_mesh",
     "main",
     "param_shardings",

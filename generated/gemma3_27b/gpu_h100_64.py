@@ -3,6 +3,7 @@
 # Mesh: data=1 fsdp=64 expert=1 model=1 on 64 x NVIDIA H100 SXM (specs/gemma3_27b.py: mesh rule 'gpu-h100-\d+': 27B, 262k vocab: fully sharded over every GPU, one sequence per pass, full remat)
 # Passes: qk_norm(eps=1e-06) · sliding_window(window=1024, global_every=6) · gemma_block() · rope(theta=1000000.0, scaling=linear(factor=8.0), local_theta=10000.0)
 # Lowering: remat(policy=full) (specs/gemma3_27b.py: mesh rule 'gpu-h100-\d+') · attention cudnn (backends/gpu.py)
+# Loss: runtime.lm_head_cross_entropy, the output head fused with the cross-entropy 512 positions at a time; no whole logits in a training step (backends/lowering.py)
 """gemma3-27b training program for gpu-h100-64.
 
 Run `python gpu_h100_64.py --data DATASET --run-dir DIR` to train on an `axgen data` directory; import it to call `forward(params, tokens)`.
@@ -348,10 +349,11 @@ def layers_group(x, p, positions, segment_ids):
     return x
 
 
-def forward_with_aux(params, tokens, segment_ids=None):
-    """tokens [batch, seq] int32 -> (logits [batch, seq, vocab] in COMPUTE_DTYPE, auxiliary losses and metrics,
-    each averaged over the layers that make it). `segment_ids` [batch, seq] numbers the documents packed into each
-    row (default: one document per row); a token attends only to its own document's."""
+def hidden_with_aux(params, tokens, segment_ids=None):
+    """tokens [batch, seq] int32 -> (the hidden states [batch, seq, embed] the output head multiplies, auxiliary
+    losses and metrics, each averaged over the layers that make it). `segment_ids` [batch, seq] numbers the
+    documents packed into each row (default: one document per row); a token attends only to its own document's.
+    """
     params = jax.tree.map(lambda w: w.astype(COMPUTE_DTYPE), params)
     segment_ids = jnp.ones_like(tokens) if segment_ids is None else segment_ids
     # tokens · specs/gemma3_27b.py
@@ -373,10 +375,18 @@ def forward_with_aux(params, tokens, segment_ids=None):
     )  # [batch, seq, embed=5376]
     # norm · specs/gemma3_27b.py: decoder.norm · changed by passes/sliding_window.py, passes/gemma_block.py
     final_norm = rms_norm(tail_layers, 1.0 + params["final_norm"], eps=1e-06)  # [batch, seq, embed=5376]
+    return final_norm, {}
+
+
+def forward_with_aux(params, tokens, segment_ids=None):
+    """tokens [batch, seq] int32 -> (logits [batch, seq, vocab] in COMPUTE_DTYPE, auxiliary losses and metrics):
+    hidden_with_aux and the output head. Training never makes these logits (see target_losses)."""
+    final_norm, aux = hidden_with_aux(params, tokens, segment_ids)
+    params = jax.tree.map(lambda w: w.astype(COMPUTE_DTYPE), params)
     # output · specs/gemma3_27b.py: vocab_size
     logits = jnp.einsum("bse,ve->bsv", final_norm, params["embed"])  # tied to the input embedding
     logits = constrain(logits, ("batch", "seq", "vocab"))
-    return logits, {}
+    return logits, aux
 
 
 def forward(params, tokens, segment_ids=None):
@@ -392,8 +402,16 @@ def target_losses(params, tokens, segment_ids, loss_mask):
     trained, and the auxiliary outputs. `segment_ids` numbers the documents packed into each row, 0 for padding;
     `loss_mask` is 1 for the tokens the dataset trains (a conversation's assistant turns; all of plain text). A
     target trains when it continues the document of the token that predicts it and its mask is 1."""
-    logits, aux = forward_with_aux(params, tokens[:, :-1], segment_ids[:, :-1])
-    losses = runtime.cross_entropy(logits, tokens[:, 1:])
+    hidden, aux = hidden_with_aux(params, tokens[:, :-1], segment_ids[:, :-1])
+    # The output head and the cross-entropy together, 512 positions at a time: the whole logits never exist.
+    losses = runtime.lm_head_cross_entropy(
+        hidden,
+        params["embed"].astype(COMPUTE_DTYPE),
+        tokens[:, 1:],
+        chunk=512,
+        rules=LOGICAL_AXIS_RULES,
+        tied=True,
+    )
     return losses, runtime.trained_targets(segment_ids, loss_mask), aux
 
 
