@@ -3,6 +3,7 @@
 # Mesh: data=1 fsdp=1024 expert=1 model=1 on 1024 x TPU v5p (specs/deepseek_v3.py: mesh rule '(tpu-v5p|gpu-h100)-\d+': 671B MoE: fully sharded, one sequence per pass, full remat)
 # Passes: mla(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, eps=1e-06) · moe(num_experts=256, top_k=8, every=1, shared_hidden_dim=2048, routed_scale=2.5, scoring=sigmoid, n_group=8, topk_group=4, group_score=top2_sum, first_dense_layers=3, dense_hidden_dim=18432) · rope(theta=10000.0, scaling=yarn(factor=40.0, beta_fast=32.0, beta_slow=1.0, original_max_position=4096, attention_factor=1.0, truncate=True), rotary_dim=64, interleaved=True)
 # Lowering: remat(policy=full) (specs/deepseek_v3.py: mesh rule '(tpu-v5p|gpu-h100)-\d+') · attention splash (blocks of 512) · experts by megablox_gmm (backends/tpu.py)
+# Loss: runtime.lm_head_cross_entropy, the output head fused with the cross-entropy 1024 positions at a time; no whole logits in a training step (backends/lowering.py)
 """deepseek-v3 training program for tpu-v5p-1024.
 
 Run `python tpu_v5p_1024.py --data DATASET --run-dir DIR` to train on an `axgen data` directory; import it to call `forward(params, tokens)`.
@@ -647,10 +648,11 @@ def dense_decoder_layer(x, p, positions, segment_ids):
     return x_mlp
 
 
-def forward_with_aux(params, tokens, segment_ids=None):
-    """tokens [batch, seq] int32 -> (logits [batch, seq, vocab] in COMPUTE_DTYPE, auxiliary losses and metrics,
-    each averaged over the layers that make it). `segment_ids` [batch, seq] numbers the documents packed into each
-    row (default: one document per row); a token attends only to its own document's."""
+def hidden_with_aux(params, tokens, segment_ids=None):
+    """tokens [batch, seq] int32 -> (the hidden states [batch, seq, embed] the output head multiplies, auxiliary
+    losses and metrics, each averaged over the layers that make it). `segment_ids` [batch, seq] numbers the
+    documents packed into each row (default: one document per row); a token attends only to its own document's.
+    """
     params = jax.tree.map(lambda w: w.astype(COMPUTE_DTYPE), params)
     segment_ids = jnp.ones_like(tokens) if segment_ids is None else segment_ids
     # tokens · specs/deepseek_v3.py
@@ -667,10 +669,18 @@ def forward_with_aux(params, tokens, segment_ids=None):
     )  # [batch, seq, embed=7168]
     # norm · specs/deepseek_v3.py: decoder.norm
     final_norm = rms_norm(layers, params["final_norm"], eps=1e-06)  # [batch, seq, embed=7168]
+    return final_norm, jax.tree.map(jnp.mean, layers_aux)
+
+
+def forward_with_aux(params, tokens, segment_ids=None):
+    """tokens [batch, seq] int32 -> (logits [batch, seq, vocab] in COMPUTE_DTYPE, auxiliary losses and metrics):
+    hidden_with_aux and the output head. Training never makes these logits (see target_losses)."""
+    final_norm, aux = hidden_with_aux(params, tokens, segment_ids)
+    params = jax.tree.map(lambda w: w.astype(COMPUTE_DTYPE), params)
     # output · specs/deepseek_v3.py: vocab_size
     logits = jnp.einsum("bse,ev->bsv", final_norm, params["lm_head"])  # [batch, seq, vocab=129280]
     logits = constrain(logits, ("batch", "seq", "vocab"))
-    return logits, jax.tree.map(jnp.mean, layers_aux)
+    return logits, aux
 
 
 def forward(params, tokens, segment_ids=None):
@@ -686,8 +696,15 @@ def target_losses(params, tokens, segment_ids, loss_mask):
     trained, and the auxiliary outputs. `segment_ids` numbers the documents packed into each row, 0 for padding;
     `loss_mask` is 1 for the tokens the dataset trains (a conversation's assistant turns; all of plain text). A
     target trains when it continues the document of the token that predicts it and its mask is 1."""
-    logits, aux = forward_with_aux(params, tokens[:, :-1], segment_ids[:, :-1])
-    losses = runtime.cross_entropy(logits, tokens[:, 1:])
+    hidden, aux = hidden_with_aux(params, tokens[:, :-1], segment_ids[:, :-1])
+    # The output head and the cross-entropy together, 1024 positions at a time: the whole logits never exist.
+    losses = runtime.lm_head_cross_entropy(
+        hidden,
+        params["lm_head"].astype(COMPUTE_DTYPE),
+        tokens[:, 1:],
+        chunk=1024,
+        rules=LOGICAL_AXIS_RULES,
+    )
     return losses, runtime.trained_targets(segment_ids, loss_mask), aux
 
 
