@@ -2,8 +2,8 @@
 latent (one q_proj), k/v from a 512-channel latent, q/k heads of 128 + 64 RoPE channels in adjacent pairs, v heads
 of 128; YaRN factor 40 over 4096 positions (mscale 0.707, mscale_all_dim 0.707); the first layer dense at 10944,
 then DeepSeek-MoE: 64 routed experts of 1408, softmax top-6 not renormalised, and two experts' width of shared
-expert. Written as `axgen import-hf` writes a transformers 5.23 DeepseekV2Config of those numbers; no published
-config.json was found in the corpus to check against (its YaRN fields are as DeepSeek's model card states them).
+expert. Written as `axgen import-hf` writes the published config.json (tests/fixtures/hf_configs/published/
+deepseek-v2-lite.json, the Hub's bytes), whose aux_loss_alpha 0.001 is the experts' balance-loss weight.
 15,706,484,224 parameters as transformers counts them."""
 
 from axgen.spec import MLP, AdamW, Attention, Decoder, MeshRule, Model, Remat, RMSNorm, Train
@@ -53,7 +53,7 @@ spec = Model(
             shared_hidden_dim=2816,
             first_dense_layers=1,
             dense_hidden_dim=10_944,
-            aux_loss_weight=0.0,
+            aux_loss_weight=0.001,
             router_z_loss_weight=0.0,
         ),
     ],

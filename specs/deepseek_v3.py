@@ -4,9 +4,10 @@
 layers dense at 18432, then DeepSeek-MoE: 256 routed experts of 2048, sigmoid scores plus the e_score_correction_bias,
 the top-8 from the best 4 of 8 groups (noaux_tc), renormalised and scaled by 2.5, and one shared expert. Written as
 `axgen import-hf` writes transformers 5.23's DeepseekV3Config (whose defaults are these numbers) with that YaRN;
-no published config.json was found in the corpus to check against. 671,026,404,352 parameters as transformers counts
-them (correction biases are buffers, not parameters), the multi-token-prediction layer (the Hub's model.layers.61)
-left out: it is not trained here."""
+the published config.json (tests/fixtures/hf_configs/published/deepseek-v3.json) imports as this spec once its
+quantization_config (the Hub's FP8 storage, which convert-hf does not read) is taken out. 671,026,404,352 parameters
+as transformers counts them (correction biases are buffers, not parameters), the multi-token-prediction layer (the
+Hub's model.layers.61) left out: it is not trained here."""
 
 from axgen.spec import MLP, AdamW, Attention, Decoder, MeshRule, Model, Remat, RMSNorm, Train
 from axgen.spec import features as F

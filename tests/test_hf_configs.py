@@ -131,6 +131,7 @@ def test_gpt_oss_imports_as_the_bundled_spec(slug, tmp_path, capsys):
 # The published DeepSeek configs, each with the bundled spec it must import as (V3's, V3.1's and R1's with their
 # quantization_config taken out: it says how the checkpoint stores the weights, not what the model computes).
 DEEPSEEK_BUNDLED = {
+    "deepseek-v2-lite": "deepseek_v2_lite",
     "deepseek-v3": "deepseek_v3",
     "deepseek-v3.1": "deepseek_v3",
     "deepseek-r1": "deepseek_v3",
