@@ -208,7 +208,7 @@ def _compile_here(program_path: str, spec_path: str, target: str, rule: str) -> 
     state = program.abstract_state(mesh)
     # Token windows, their segment ids and loss masks: packed documents, as the program trains on them.
     tokens = program.batch_shape(mesh, batch)
-    with jax.set_mesh(mesh), _sm_count_of(plan):
+    with jax.set_mesh(mesh), _as_the_chip(plan):
         began = time.perf_counter()
         try:
             compiled = step.lower(state, tokens, tokens, tokens).compile()
@@ -279,10 +279,13 @@ def _devices(plan: Plan) -> tuple[list, str]:
 
 
 @contextlib.contextmanager
-def _sm_count_of(plan: Plan):
-    """jax's transposed grouped matmul kernel asks the first device for its SM count (`core_count`); on the CPU host
-    that compiles for an H100, that device is a CPU one without it, so the chip's published count answers."""
+def _as_the_chip(plan: Plan):
+    """What jax asks the first device while tracing for an H100, answered by the chip's published facts: on the CPU
+    host that compiles for it, the first device is a CPU one. jax's transposed grouped matmul kernel reads its SM
+    count (`core_count`), and cuDNN attention's checks read its compute capability (Hopper takes head dims up to 256,
+    e.g. MLA's 192; anything older only 128)."""
     import jax
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 
     from axgen.backends import gpu
 
@@ -290,12 +293,22 @@ def _sm_count_of(plan: Plan):
         yield
         return
     devices = jax.devices
+    checks = cudnn_attention.check_compute_capability, cudnn_attention.is_cuda_compute_capability_equal
     chip = type("CompiledForDevice", (), {"core_count": gpu.H100_SXM["core_count"], "platform": "gpu"})
+
+    def capability(version: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in version.split("."))
+
     jax.devices = lambda *backend: [chip(), *devices(*backend)[1:]]
+    cudnn_attention.check_compute_capability = lambda version: gpu.COMPUTE_CAPABILITY >= capability(version)
+    cudnn_attention.is_cuda_compute_capability_equal = lambda version: gpu.COMPUTE_CAPABILITY == capability(
+        version
+    )
     try:
         yield
     finally:
         jax.devices = devices
+        cudnn_attention.check_compute_capability, cudnn_attention.is_cuda_compute_capability_equal = checks
 
 
 def _xla_flops(compiled) -> float | None:

@@ -38,7 +38,11 @@ TOKENIZER_FILES = (
 
 
 # The families that state a RoPE on part of each head in adjacent pairs, and routed experts' weights scaled.
-LAYOUT_FAMILIES = {"deepseek_v2"}
+LAYOUT_FAMILIES = {"deepseek_v2", "deepseek_v3"}
+
+
+# The families whose config states DeepSeek's routing (FAMILY_KEYS write it and refuse what theirs cannot say).
+DEEPSEEK_FAMILIES = {"deepseek_v2", "deepseek_v3"}
 
 
 def _refuse_deepseek_routing(moe) -> None:
@@ -68,7 +72,8 @@ def hf_config(spec: Model, dtype: str) -> dict:
         raise CheckpointError(
             f"{moe.origin}: MoE.routed_scale={moe.routed_scale}: no family axgen exports scales its routed experts"
         )
-    _refuse_deepseek_routing(moe)
+    if name not in DEEPSEEK_FAMILIES:
+        _refuse_deepseek_routing(moe)
     if (rope.rotary_dim is not None or rope.interleaved) and name not in LAYOUT_FAMILIES:
         raise CheckpointError(
             f"{rope.origin}: RoPE.rotary_dim={rope.rotary_dim}, interleaved={rope.interleaved}: "
@@ -311,6 +316,22 @@ def _deepseek_v2(spec: Model) -> dict:
         raise CheckpointError(
             f"{mla.origin}: MLA.eps={mla.eps!r}: DeepSeek-V2 in HF norms its latents with 1e-6"
         )
+    if not rope.interleaved:
+        raise CheckpointError(
+            f"{rope.origin}: RoPE.interleaved=False: DeepSeek-V2 in HF turns MLA's rope channels in adjacent pairs"
+        )
+    v2_routing = {
+        "scoring": moe.scoring == "softmax",
+        "balance_bias_rate": moe.balance_bias_rate is None,
+        "group_score": moe.n_group is None or moe.group_score == "max",
+        "seq_aux_loss_weight": not moe.seq_aux_loss_weight,
+    }
+    for field, stated in v2_routing.items():
+        if not stated:
+            raise CheckpointError(
+                f"{moe.origin}: MoE.{field}={getattr(moe, field)!r}: DeepSeek-V2 in HF scores by softmax with no "
+                "correction bias or sequence-wise loss, and ranks groups by their best expert (group_score='max')"
+            )
     qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
     scaling = _rope_scaling(rope.scaling)
     scale = spec.decoder.attention.scale
@@ -329,11 +350,83 @@ def _deepseek_v2(spec: Model) -> dict:
         "n_shared_experts": moe.shared_hidden_dim // width,
         "moe_intermediate_size": width,
         "routed_scaling_factor": moe.routed_scale or 1.0,
-        "topk_method": "greedy",
+        "topk_method": "greedy" if moe.n_group is None else "group_limited_greedy",
+        "n_group": moe.n_group,
+        "topk_group": moe.topk_group,
         "norm_topk_prob": False,
-        "first_k_dense_replace": 0,
         "aux_loss_alpha": moe.aux_loss_weight or 0.0,
+    } | _deepseek_dense_layers(moe, width)
+
+
+def _deepseek_dense_layers(moe, width: int) -> dict:
+    """first_k_dense_replace and intermediate_size, the leading dense layers' width (the experts' width where there
+    are none, as DeepSeek's configs leave it unused)."""
+    return {
+        "first_k_dense_replace": moe.first_dense_layers,
+        "intermediate_size": moe.dense_hidden_dim if moe.first_dense_layers else width,
     }
+
+
+def _deepseek_v3(spec: Model) -> dict:
+    """DeepSeek-V3: MLA's dims and RoPE layout (rope_interleave), the softmax scale as V2's, and DeepSeek-MoE after
+    the first_k_dense_replace dense layers: sigmoid scores with the e_score_correction_bias (a tensor of the
+    checkpoint; its update rate is a training choice no config states), noaux_tc's groups ranked by their two best
+    experts, norm_topk_prob, routed_scaling_factor and the shared experts. No multi-token-prediction layers are
+    trained here, so none are written (num_nextn_predict_layers 0). The keys of DeepSeek's own configs
+    (topk_method, scoring_func, seq_aux, aux_loss_alpha: the sequence-wise loss's weight) are written too."""
+    mla, moe, rope = spec.feature("mla"), spec.feature("moe"), spec.feature("rope")
+    width = spec.decoder.mlp.hidden_dim
+    if moe.every != 1 or moe.capacity_factor is not None:
+        raise CheckpointError(f"{spec.origin}: DeepSeek-V3 in HF routes experts dropless in every MoE layer")
+    if moe.shared_gate or not moe.shared_hidden_dim or moe.shared_hidden_dim % width:
+        raise CheckpointError(
+            f"{moe.origin}: DeepSeek-V3 in HF shares an ungated expert of a whole number of experts' width ({width})"
+        )
+    if mla.eps != 1e-6:
+        raise CheckpointError(
+            f"{mla.origin}: MLA.eps={mla.eps!r}: DeepSeek-V3 in HF norms its latents with 1e-6"
+        )
+    v3_routing = {
+        "balance_bias_rate": moe.balance_bias_rate is not None,
+        "group_score": moe.n_group is None or moe.group_score == "top2_sum",
+        "aux_loss_weight": not moe.aux_loss_weight,
+    }
+    for field, stated in v3_routing.items():
+        if not stated:
+            raise CheckpointError(
+                f"{moe.origin}: MoE.{field}={getattr(moe, field)!r}: DeepSeek-V3 in HF chooses experts with a "
+                "correction bias, ranks groups by their two best experts (group_score='top2_sum') and has no "
+                "Switch balance loss"
+            )
+    qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    scaling = _rope_scaling(rope.scaling)
+    scale = spec.decoder.attention.scale
+    if scale is not None and scale != qk**-0.5:
+        scaling = (scaling or {}) | {"mscale_all_dim": _mscale_all_dim(spec, scale, qk)}
+    return {
+        "head_dim": mla.qk_rope_head_dim,
+        "rope_scaling": scaling,
+        "rope_interleave": rope.interleaved,
+        "q_lora_rank": mla.q_lora_rank,
+        "kv_lora_rank": mla.kv_lora_rank,
+        "qk_nope_head_dim": mla.qk_nope_head_dim,
+        "qk_rope_head_dim": mla.qk_rope_head_dim,
+        "v_head_dim": mla.v_head_dim,
+        "n_routed_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "n_shared_experts": moe.shared_hidden_dim // width,
+        "moe_intermediate_size": width,
+        "routed_scaling_factor": moe.routed_scale or 1.0,
+        # Without groups every expert is one group's: noaux_tc over one group chooses among them all.
+        "n_group": moe.n_group or 1,
+        "topk_group": moe.topk_group or 1,
+        "norm_topk_prob": moe.renormalize,
+        "num_nextn_predict_layers": 0,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "seq_aux": True,
+        "aux_loss_alpha": moe.seq_aux_loss_weight,
+    } | _deepseek_dense_layers(moe, width)
 
 
 def _mscale_all_dim(spec: Model, scale: float, qk: int) -> float:
@@ -364,6 +457,7 @@ FAMILY_KEYS = {
     "gemma3_text": _gemma3_text,
     "gpt_oss": _gpt_oss,
     "deepseek_v2": _deepseek_v2,
+    "deepseek_v3": _deepseek_v3,
 }
 
 

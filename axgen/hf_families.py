@@ -33,6 +33,7 @@ ARCHITECTURES = {
     "gemma3_text": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
     "deepseek_v2": "DeepseekV2ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
 }
 # The features each family's HF model computes; remat and quantize shape training only, not the weights' meaning.
 TRAINING_ONLY = {"remat", "quantize"}
@@ -56,10 +57,11 @@ FAMILY_FEATURES = {
         "gpt_oss_experts",
     },
     "deepseek_v2": {"rope", "mla", "moe"},
+    "deepseek_v3": {"rope", "mla", "moe"},
 }
 # The families whose HF attention takes a softmax scale other than head_dim**-0.5 (`query_pre_attn_scalar`;
 # DeepSeek's YaRN mscale_all_dim).
-SCALED_ATTENTION = {"gemma2", "gemma3_text", "deepseek_v2"}
+SCALED_ATTENTION = {"gemma2", "gemma3_text", "deepseek_v2", "deepseek_v3"}
 # The families whose HF model gives windowed layers a RoPE theta of their own (`RoPE.local_theta`).
 LOCAL_THETA = {"gemma3_text"}
 
@@ -71,7 +73,7 @@ def family(spec: Model) -> str:
     if "gpt_oss_experts" in features:
         name = "gpt_oss"
     elif "mla" in features:
-        name = "deepseek_v2"
+        name = _deepseek_family(spec)
     elif "gemma_block" in features:
         name = "gemma3_text" if "qk_norm" in features else "gemma2"
     elif moe is not None:
@@ -103,10 +105,32 @@ def family(spec: Model) -> str:
 
 def _moe_family(spec: Model) -> str:
     if spec.feature("mla"):
-        return "deepseek_v2"
+        return _deepseek_family(spec)
     if spec.feature("qk_norm"):
         return "qwen3_moe"
     return "qwen2_moe" if spec.feature("moe").shared_hidden_dim else "mixtral"
+
+
+def _deepseek_family(spec: Model) -> str:
+    """DeepSeek-V3 scores experts by sigmoid, V2 by softmax."""
+    moe = spec.feature("moe")
+    return "deepseek_v3" if moe is not None and moe.scoring == "sigmoid" else "deepseek_v2"
+
+
+def mtp_tensors(names, spec: Model) -> set[str]:
+    """The tensors of DeepSeek-V3's multi-token-prediction modules (num_nextn_predict_layers), which its checkpoints
+    number after the decoder's layers (the Hub's `model.layers.61.*`), each marked by its `eh_proj`: axgen does not
+    train them, so convert-hf leaves them out. A deeper plain model's layers have no eh_proj and stay unexpected.
+    """
+    if spec.feature("mla") is None or _deepseek_family(spec) != "deepseek_v3":
+        return set()
+    mtp = set()
+    for name in names:
+        parts = name.split(".")
+        if len(parts) == 5 and parts[:2] == ["model", "layers"] and parts[3:] == ["eh_proj", "weight"]:
+            if parts[2].isdigit() and int(parts[2]) >= spec.decoder.num_layers:
+                mtp.add(f"model.layers.{parts[2]}.")
+    return {name for name in names if name.startswith(tuple(mtp))}
 
 
 @dataclass(frozen=True)
@@ -131,10 +155,11 @@ EXPERT_LAYOUTS = {
     "qwen2_moe": ExpertLayout("mlp", gate="gate_proj", up="up_proj", down="down_proj"),
     "qwen3_moe": ExpertLayout("mlp", gate="gate_proj", up="up_proj", down="down_proj"),
     "deepseek_v2": ExpertLayout("mlp", gate="gate_proj", up="up_proj", down="down_proj"),
+    "deepseek_v3": ExpertLayout("mlp", gate="gate_proj", up="up_proj", down="down_proj"),
 }
 # Families whose shared expert is named otherwise than the params' `mlp.shared_expert.` (Qwen2-MoE's): DeepSeek's
 # n_shared_experts are one module, `mlp.shared_experts.`, in both of its expert layouts.
-SHARED_EXPERT_NAMES = {"deepseek_v2": ".mlp.shared_experts."}
+SHARED_EXPERT_NAMES = {"deepseek_v2": ".mlp.shared_experts.", "deepseek_v3": ".mlp.shared_experts."}
 _SHARED_EXPERT = ".mlp.shared_expert."
 
 

@@ -192,6 +192,40 @@ DEFAULTS["deepseek_v2"] = _LLAMA | {
     "moe_layer_freq": 1,
 }
 
+# transformers 5.23's DeepseekV3Config, and the keys of DeepSeek's own V3 configs it does not read (their remote
+# code's: how it scores and chooses experts, which transformers' model does as noaux_tc with sigmoid scores).
+DEFAULTS["deepseek_v3"] = _LLAMA | {
+    "vocab_size": 129_280,
+    "hidden_size": 7168,
+    "intermediate_size": 18_432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "n_shared_experts": 1,
+    "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "qk_nope_head_dim": 128,
+    "qk_head_dim": None,
+    "n_group": 8,
+    "topk_group": 4,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "norm_topk_prob": True,
+    "max_position_embeddings": 4096,
+    "rope_interleave": True,
+    "num_nextn_predict_layers": 1,
+    "topk_method": "noaux_tc",
+    "scoring_func": "sigmoid",
+    "aux_loss_alpha": 0.0,
+    "seq_aux": True,
+    "moe_layer_freq": 1,
+}
+
 
 class HFImportError(ValueError):
     """One line: the config file, and the key and value that stop the import."""
@@ -866,12 +900,14 @@ def deepseek_v2(c: Config) -> SpecSource:
     """
     _activation(c, "hidden_act", ("silu",))
     c.expect("attention_bias", (False, None), "puts biases on q_a, kv_a and o, which axgen's MLA does not")
-    c.expect(
-        "topk_method",
-        ("greedy",),
-        "selects experts within groups, which axgen's deepseek_v2 import does not map (it maps greedy)",
-    )
-    c.read |= {"n_group", "topk_group"}  # read by group_limited_greedy only
+    topk_method = c["topk_method"]
+    if topk_method not in ("greedy", "group_limited_greedy"):
+        raise HFImportError(
+            f"{c.path}: topk_method={_shown(topk_method)} is not one transformers' deepseek_v2 computes "
+            "(greedy, group_limited_greedy)"
+        )
+    if topk_method == "greedy":
+        c.read |= {"n_group", "topk_group"}  # read by group_limited_greedy only
     # DeepSeek's own configs (its remote code's keys) say how they score and place experts and how their code
     # ran: transformers' model scores by softmax in every layer after the dense ones, whatever they say, so other
     # values are refused; ep_size is their inference's expert parallelism, seq_aux their balance loss's form
@@ -888,13 +924,77 @@ def deepseek_v2(c: Config) -> SpecSource:
         (False,),
         "asks for renormalised top-k weights, which transformers' deepseek_v2 does not compute; axgen will not guess",
     )
-    dense = c["first_k_dense_replace"]
-    if dense != 0:
-        raise HFImportError(
-            f"{c.path}: first_k_dense_replace={_shown(dense)} keeps the first layers dense "
-            f"(intermediate_size={_shown(c['intermediate_size'])}), which axgen cannot build yet beside the MoE layers"
+    source = _deepseek_mla(c, interleaved=True)
+    source.mlp = f'MLP(hidden_dim={_number(c["moe_intermediate_size"])}, activation="swiglu")'
+    # V2's group_limited_greedy ranks a group by its best expert's score.
+    groups = _deepseek_groups(c, "max") if topk_method == "group_limited_greedy" else ""
+    source.features.append(
+        f'F.moe(num_experts={c["n_routed_experts"]}, top_k={c["num_experts_per_tok"]}, renormalize=False, '
+        + _deepseek_moe_fields(c)
+        + groups
+        + f'aux_loss_weight={float(c["aux_loss_alpha"])!r}, router_z_loss_weight=0.0)'
+    )
+    return source
+
+
+def deepseek_v3(c: Config) -> SpecSource:
+    """DeepSeek-V3: V2's multi-head latent attention, its RoPE's channels in adjacent pairs when rope_interleave
+    (transformers de-interleaves q and k alike, which leaves q.k as the pairs give it) and in halves otherwise; and
+    DeepSeek-MoE after the first first_k_dense_replace dense layers: sigmoid scores, the e_score_correction_bias
+    added to choose experts (noaux_tc: the best topk_group of n_group groups by their two best experts' sum) but not
+    to weight them, the chosen scores renormalised when norm_topk_prob and scaled by routed_scaling_factor, plus
+    n_shared_experts experts' width of shared expert. The multi-token-prediction layers (num_nextn_predict_layers,
+    the Hub's `model.layers.61.*`) are not trained here: convert-hf leaves their tensors out."""
+    _activation(c, "hidden_act", ("silu",))
+    c.expect("attention_bias", (False, None), "puts biases on q_a, kv_a and o, which axgen's MLA does not")
+    # DeepSeek's own configs state the routing transformers' deepseek_v3 computes whatever they say; other values
+    # are refused. ep_size is their inference's expert parallelism, auto_map their code's classes.
+    c.expect("topk_method", ("noaux_tc",), "is not the routing transformers' deepseek_v3 computes (noaux_tc)")
+    c.expect(
+        "scoring_func", ("sigmoid",), "scores experts otherwise than transformers' deepseek_v3 (sigmoid)"
+    )
+    c.expect(
+        "moe_layer_freq", (1,), "puts experts in some layers only, which transformers' deepseek_v3 does not"
+    )
+    c.expect("seq_aux", (True,), "asks for a batch-wise balance loss; DeepSeek-V3's is sequence-wise")
+    c.read |= {"ep_size", "auto_map"}
+    mtp = c["num_nextn_predict_layers"]
+    if type(mtp) is not int or mtp < 0:
+        raise HFImportError(f"{c.path}: num_nextn_predict_layers={_shown(mtp)} is not a count of layers")
+    interleave = c["rope_interleave"]
+    if type(interleave) is not bool:
+        raise HFImportError(f"{c.path}: rope_interleave={_shown(interleave)} is not true or false")
+    source = _deepseek_mla(c, interleaved=interleave)
+    source.mlp = f'MLP(hidden_dim={_number(c["moe_intermediate_size"])}, activation="swiglu")'
+    renormalize = c["norm_topk_prob"]
+    if type(renormalize) is not bool:
+        raise HFImportError(f"{c.path}: norm_topk_prob={_shown(renormalize)} is not true or false")
+    source.features.append(
+        # The expressions' comments reach the written spec: black keeps them in the call.
+        f'F.moe(num_experts={c["n_routed_experts"]}, top_k={c["num_experts_per_tok"]}, '
+        f'renormalize={renormalize}, scoring="sigmoid", '
+        + _deepseek_moe_fields(c)
+        + _deepseek_groups(c, "top2_sum")
+        + "\n# The config states no update rate for e_score_correction_bias: 0.0 holds the published bias as it"
+        "\n# is (DeepSeek-V3's own rate for its last 500B tokens); 0.001 is its rate for the first 14.3T.\n"
+        + "balance_bias_rate=0.0, "
+        + f'seq_aux_loss_weight={float(c["aux_loss_alpha"])!r}, aux_loss_weight=0.0, router_z_loss_weight=0.0'
+        + (
+            f"\n# num_nextn_predict_layers={mtp}: the multi-token-prediction layers are not trained here;"
+            "\n# convert-hf leaves their tensors (the Hub's model.layers.61.*) out.\n"
+            if mtp
+            else ""
         )
-    c.read.add("intermediate_size")  # the dense layers' width: there are none
+        + ")"
+    )
+    return source
+
+
+def _deepseek_mla(c: Config, interleaved: bool) -> SpecSource:
+    """DeepSeek-V2's and V3's attention: multi-head latent attention (F.mla) whose RoPE turns the qk_rope_head_dim
+    channels of each head (in adjacent pairs when `interleaved`), its softmax scale qk_head_dim**-0.5 times YaRN's
+    mscale(factor, mscale_all_dim)**2 where the RoPE states mscale_all_dim (transformers' yarn_apply_mscale). The
+    source's features are the RoPE and the MLA."""
     heads = c["num_attention_heads"]
     nope, rope, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
     c.expect(
@@ -905,7 +1005,7 @@ def deepseek_v2(c: Config) -> SpecSource:
     c.expect(
         "head_dim",
         (None, rope),
-        f"is not qk_rope_head_dim={rope}, which transformers' deepseek_v2 sets it to",
+        f"is not qk_rope_head_dim={rope}, which transformers' DeepSeek sets it to",
     )
     c.expect("qk_head_dim", (None, nope + rope), f"is not qk_nope_head_dim + qk_rope_head_dim={nope + rope}")
     source = _decoder(c)
@@ -918,18 +1018,45 @@ def deepseek_v2(c: Config) -> SpecSource:
     source.attention = (
         f"Attention(num_heads={heads}, num_kv_heads={heads}, head_dim={nope + rope}, scale={scale!r})"
     )
-    experts, shared = c["n_routed_experts"], c["n_shared_experts"] * c["moe_intermediate_size"]
-    source.mlp = f'MLP(hidden_dim={_number(c["moe_intermediate_size"])}, activation="swiglu")'
     source.features = [
-        _rope(c)[:-1] + f", rotary_dim={rope}, interleaved=True)",
+        _rope(c)[:-1] + f", rotary_dim={rope}, interleaved={interleaved})",
         # transformers' DeepSeek norms the latents with DeepseekV2RMSNorm's default eps, not rms_norm_eps.
         f'F.mla(q_lora_rank={c["q_lora_rank"]}, kv_lora_rank={c["kv_lora_rank"]}, qk_nope_head_dim={nope}, '
         f"qk_rope_head_dim={rope}, v_head_dim={v}, eps=1e-06)",
-        f'F.moe(num_experts={experts}, top_k={c["num_experts_per_tok"]}, renormalize=False, '
-        f'routed_scale={float(c["routed_scaling_factor"])!r}, shared_hidden_dim={_number(shared)}, '
-        f'aux_loss_weight={float(c["aux_loss_alpha"])!r}, router_z_loss_weight=0.0)',
     ]
     return source
+
+
+def _deepseek_groups(c: Config, score: str) -> str:
+    """F.moe's group-limited top-k: n_group equal groups of the routed experts, the best topk_group chosen from."""
+    experts, groups, chosen = c["n_routed_experts"], c["n_group"], c["topk_group"]
+    if not _positive_int(groups) or experts % groups:
+        raise HFImportError(
+            f"{c.path}: n_group={_shown(groups)} does not split n_routed_experts={_shown(experts)} into equal groups"
+        )
+    if not _positive_int(chosen) or chosen > groups:
+        raise HFImportError(
+            f"{c.path}: topk_group={_shown(chosen)} is not a count of groups up to n_group={groups}"
+        )
+    return f'n_group={groups}, topk_group={chosen}, group_score="{score}", '
+
+
+def _deepseek_moe_fields(c: Config) -> str:
+    """F.moe's fields that DeepSeek-V2 and V3 state alike: routed_scaling_factor, the shared experts' width, and the
+    first first_k_dense_replace layers dense at intermediate_size (the experts' width is moe_intermediate_size).
+    """
+    shared = c["n_shared_experts"] * c["moe_intermediate_size"]
+    fields = f'routed_scale={float(c["routed_scaling_factor"])!r}, shared_hidden_dim={_number(shared)}, '
+    dense = c["first_k_dense_replace"]
+    if not isinstance(dense, int) or isinstance(dense, bool) or not 0 <= dense < c["num_hidden_layers"]:
+        raise HFImportError(
+            f"{c.path}: first_k_dense_replace={_shown(dense)} is not a count of leading dense layers below "
+            f"num_hidden_layers={_shown(c['num_hidden_layers'])}"
+        )
+    c.read.add("intermediate_size")  # the dense layers' width, when there are any
+    if dense:
+        fields += f'first_dense_layers={dense}, dense_hidden_dim={_number(c["intermediate_size"])}, '
+    return fields
 
 
 FAMILIES: dict[str, Callable[[Config], SpecSource]] = {
@@ -945,6 +1072,7 @@ FAMILIES: dict[str, Callable[[Config], SpecSource]] = {
     "gemma3": gemma3,
     "gpt_oss": gpt_oss,
     "deepseek_v2": deepseek_v2,
+    "deepseek_v3": deepseek_v3,
 }
 
 

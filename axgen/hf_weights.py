@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from axgen.files import check_replaceable, staging_dir
-from axgen.hf_families import fused_view
+from axgen.hf_families import fused_view, mtp_tensors
 from axgen.interop import CheckpointError, hf_layout, hf_names, hf_shapes, hf_to_params, host_jax
 from axgen.spec import Model
 
@@ -146,7 +146,7 @@ def check_names(checkpoint: Mapping, spec: Model, source: str) -> None:
         raise CheckpointError(f"{source}: has no tensor {missing[0]!r}, which {spec.name} needs")
     unexpected = sorted(
         name
-        for name in set(checkpoint) - needed
+        for name in set(checkpoint) - needed - mtp_tensors(checkpoint, spec)
         if not name.endswith(NOT_WEIGHTS) and not _tied_head(name, spec)
     )
     if unexpected:

@@ -19,7 +19,7 @@ from axgen.interop import CheckpointError, load_program
 from axgen.loader import load_spec
 
 FIXTURES = ROOT / "tests/fixtures"
-NAMES = ["hf_deepseek_v2", "hf_deepseek_v2_q_proj"]
+NAMES = ["hf_deepseek_v2", "hf_deepseek_v2_q_proj", "hf_deepseek_v2_groups"]
 
 
 def fixture_config(name: str) -> dict:
@@ -117,17 +117,9 @@ def test_the_exported_config_imports_back_to_the_same_spec(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("key", "value", "message"),
     [
-        (
-            "topk_method",
-            "group_limited_greedy",
-            "topk_method='group_limited_greedy' selects experts within groups",
-        ),
+        ("topk_method", "noaux_tc", 'topk_method="noaux_tc" is not one'),
         ("norm_topk_prob", True, "norm_topk_prob=True asks for renormalised top-k weights"),
-        (
-            "first_k_dense_replace",
-            1,
-            "first_k_dense_replace=1 keeps the first layers dense (intermediate_size=96)",
-        ),
+        ("first_k_dense_replace", 2, "first_k_dense_replace=2 is not a count of leading dense layers below"),
         ("attention_bias", True, "attention_bias=True puts biases on q_a, kv_a and o"),
         ("head_dim", 24, "head_dim=24 is not qk_rope_head_dim=8"),
         ("scoring_func", "sigmoid", "scoring_func='sigmoid' scores experts otherwise"),
@@ -147,6 +139,7 @@ def test_a_deepseek_v2_config_axgen_cannot_honour_is_one_line(key, value, messag
     [
         ("moe.replace(renormalize=True)", "keeps the top-k weights as they are"),
         ("mla.replace(eps=1e-5)", "MLA.eps=1e-05: DeepSeek-V2 in HF norms its latents with 1e-6"),
+        ("rope.replace(interleaved=False)", "RoPE.interleaved=False: DeepSeek-V2 in HF turns MLA's rope"),
     ],
 )
 def test_an_mla_spec_deepseek_v2_cannot_state_is_refused_by_export(change, message, tmp_path):
@@ -169,4 +162,57 @@ def test_a_scale_no_mscale_all_dim_gives_is_refused_by_export(tmp_path):
         "spec = tiny.replace(decoder=tiny.decoder.replace(attention=attention))\n"
     )
     with pytest.raises(CheckpointError, match="Attention.scale=0.1: DeepSeek-V2 in HF scales attention"):
+        hf_config(load_spec(path), "float32")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"n_group": 3}, "n_group=3 does not split n_routed_experts=8 into equal groups"),
+        ({"topk_group": 5}, "topk_group=5 is not a count of groups up to n_group=4"),
+        (
+            {"first_k_dense_replace": 3},
+            "first_k_dense_replace=3 is not a count of leading dense layers below",
+        ),
+    ],
+)
+def test_groups_or_dense_layers_axgen_cannot_honour_are_one_line(change, message, tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(fixture_config("hf_deepseek_v2_groups") | change))
+    code, output = run(capsys, "import-hf", tmp_path / "config.json", "--out", tmp_path / "spec.py")
+    assert code == 2 and message in output and len(output.strip().splitlines()) == 1, output
+    assert not (tmp_path / "spec.py").exists()
+
+
+def test_the_groups_and_dense_layers_export_as_deepseek_v2_states_them():
+    config = hf_config(load_spec(FIXTURES / "hf_deepseek_v2_groups_spec.py"), "float32")
+    assert config["topk_method"] == "group_limited_greedy" and (config["n_group"], config["topk_group"]) == (
+        4,
+        2,
+    )
+    assert (config["first_k_dense_replace"], config["intermediate_size"]) == (1, 96)
+    assert config["moe_intermediate_size"] == 32
+    source, read = import_config(config, "exported/config.json")
+    written, _ = import_config(fixture_config("hf_deepseek_v2_groups"), "config.json")
+    assert not read.unaccounted() and source.features[1:] == written.features[1:]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        # Sigmoid scores are DeepSeek-V3's, whose HF model always has the correction bias.
+        ('moe.replace(scoring="sigmoid")', "MoE.balance_bias_rate=None: DeepSeek-V3 in HF chooses experts"),
+        ("moe.replace(balance_bias_rate=0.0)", "MoE.balance_bias_rate=0.0: DeepSeek-V2 in HF"),
+        ('moe.replace(group_score="top2_sum")', "MoE.group_score='top2_sum': DeepSeek-V2 in HF"),
+        ("moe.replace(seq_aux_loss_weight=0.001)", "MoE.seq_aux_loss_weight=0.001: DeepSeek-V2 in HF"),
+    ],
+)
+def test_routing_deepseek_v2_cannot_state_is_refused_by_export(change, message, tmp_path):
+    path = tmp_path / "spec.py"
+    path.write_text(
+        "from tests.fixtures.hf_deepseek_v2_groups_spec import spec as tiny\n"
+        "rope, mla, moe = tiny.features\n"
+        f"moe = {change}\n"
+        "spec = tiny.replace(features=[rope, mla, moe])\n"
+    )
+    with pytest.raises(CheckpointError, match=message):
         hf_config(load_spec(path), "float32")

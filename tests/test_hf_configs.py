@@ -63,9 +63,25 @@ TRANSFORMERS_PARAMS = {
     "qwen3-8b": 8_190_735_360,
     "smollm2-135m": 134_515_008,
     "tinyllama-1.1b-chat-v1.0": 1_100_048_384,
+    "deepseek-v2-lite": 15_706_484_224,
 }
 # The published configs axgen refuses, with the start of the line that says why.
 REFUSED: dict[str, str] = {}
+# DeepSeek's checkpoints of V3's architecture store their weights in FP8 (quantization_config: e4m3 in 128x128 blocks,
+# each with a weight_scale_inv), which convert-hf does not read, so the import stops at the key.
+REFUSED |= {
+    slug: "quantization_config={'activation_scheme': 'dynamic', 'fmt': 'e4m3', 'quant_method': 'fp8', "
+    "'weight_block_size': [128, 128]"
+    for slug in ("deepseek-v3", "deepseek-v3.1", "deepseek-r1")
+}
+# transformers 5.23.0's count of each config refused for its checkpoint's storage alone, by count_hf_params.py:
+# from_config applies no quantizer, so it is the model in its dtype. The multi-token-prediction layer
+# (num_nextn_predict_layers, the Hub's model.layers.61) is not in transformers' model, nor trained by axgen.
+STORAGE_REFUSED_PARAMS = {
+    "deepseek-v3": 671_026_404_352,
+    "deepseek-v3.1": 671_026_404_352,
+    "deepseek-r1": 671_026_404_352,
+}
 
 
 def test_the_corpus_is_what_sources_json_says():
@@ -110,3 +126,35 @@ def test_gpt_oss_imports_as_the_bundled_spec(slug, tmp_path, capsys):
     graph = from_spec(bundled)
     run_passes(graph, bundled.features)
     assert cost.num_params(graph) == TRANSFORMERS_PARAMS[slug]
+
+
+# The published DeepSeek configs, each with the bundled spec it must import as (V3's, V3.1's and R1's with their
+# quantization_config taken out: it says how the checkpoint stores the weights, not what the model computes).
+DEEPSEEK_BUNDLED = {
+    "deepseek-v2-lite": "deepseek_v2_lite",
+    "deepseek-v3": "deepseek_v3",
+    "deepseek-v3.1": "deepseek_v3",
+    "deepseek-r1": "deepseek_v3",
+}
+
+
+@pytest.mark.parametrize("slug", sorted(DEEPSEEK_BUNDLED))
+def test_a_published_deepseek_config_imports_as_the_bundled_spec(slug, tmp_path, capsys):
+    config = json.loads((CORPUS / f"{slug}.json").read_text())
+    assert (slug in STORAGE_REFUSED_PARAMS) == ("quantization_config" in config)
+    config.pop("quantization_config", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code = axgen(["import-hf", str(tmp_path / "config.json"), "--out", str(tmp_path / "spec.py")])
+    output = capsys.readouterr()
+    assert code == 0, output.err
+    expected = STORAGE_REFUSED_PARAMS.get(slug) or TRANSFORMERS_PARAMS[slug]
+    assert f", {expected:,} parameters" in output.out
+    imported = load_spec(tmp_path / "spec.py")
+    bundled = load_spec(ROOT / "specs" / f"{DEEPSEEK_BUNDLED[slug]}.py")
+    assert (imported.vocab_size, imported.d_model, imported.tie_embeddings, imported.decoder) == (
+        bundled.vocab_size,
+        bundled.d_model,
+        bundled.tie_embeddings,
+        bundled.decoder,
+    )
+    assert imported.features == bundled.features

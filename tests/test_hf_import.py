@@ -33,6 +33,8 @@ PUBLISHED = {
     "qwen3-30b-a3b": (30_532_122_624, "qwen3_30b_a3b"),
     # The June 2024 revision, whose query_pre_attn_scalar (224) is not head_dim: the bundled spec scales by 256**-0.5.
     "gemma-2-9b-it": (9_241_705_984, None),
+    # The card says 15.7B; this is transformers 5.23's count of the config (tests/fixtures/count_hf_params.py).
+    "deepseek-v2-lite": (15_706_484_224, "deepseek_v2_lite"),
 }
 
 
@@ -78,6 +80,12 @@ def test_each_published_config_gives_the_hf_models_parameter_count(model, tmp_pa
 # Qwen3MoeConfig made from the numbers of Qwen/Qwen3-235B-A22B's config.json (94 layers, hidden 4096, 64 heads,
 # 4 kv heads, head_dim 128, 128 experts of 1536, top-8, vocab 151936, untied), on torch's meta device.
 BUNDLED = {"qwen3_235b_a22b": 235_093_634_560}
+# DeepSeek-V3: transformers 5.23's count of DeepseekV3Config's defaults (its numbers are the 671B's) with YaRN factor
+# 40 over 4096; DeepSeek-V2-Lite: of a DeepseekV2Config of 27 layers, hidden 2048, 16 heads, no q latent, kv latent
+# 512, 64 experts of 1408 top-6, 2 shared, the first layer dense at 10944, vocab 102400 (its published config.json,
+# now in the corpus, is in PUBLISHED; DeepSeek-V3's is refused at its FP8 quantization_config). The
+# multi-token-prediction layer is not a parameter of transformers' model either.
+BUNDLED |= {"deepseek_v3": 671_026_404_352, "deepseek_v2_lite": 15_706_484_224}
 
 
 @pytest.mark.parametrize("name", BUNDLED)

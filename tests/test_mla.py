@@ -53,7 +53,7 @@ def test_the_program_has_mla_s_projections_and_counts_their_flops(tmp_path):
     [
         (
             "[F.rope(theta=1e4), *tiny.features[1:]]",
-            "MLA.qk_rope_head_dim=8 needs F.rope(rotary_dim=8, interleaved=True)",
+            "MLA.qk_rope_head_dim=8 needs F.rope(rotary_dim=8), as MLA turns its rope channels only",
         ),
         ("[*tiny.features, F.qk_norm(eps=1e-6)]", "replaces the q, k, v projections that F.qk_norm changes"),
     ],
@@ -107,3 +107,22 @@ def test_an_mla_train_step_compiles_for_each_target_s_attention_kernel(target, k
     code, [report], _ = aot(capsys, str(mla_spec(tmp_path)), "--target", target)
     assert code == 0 and report["fits"]
     assert kernels <= set(report["kernels"]), report["kernels"]
+
+
+def test_deepseek_s_head_dims_compile_for_the_h100_with_cudnn(tmp_path, capsys):
+    """DeepSeek's q/k heads of 128 + 64 channels with v of 128 (padded to 192): Hopper's cuDNN takes head dims up
+    to 256, and the deviceless compile answers jax's check as the H100 would, not as the CPU host it runs on.
+    """
+    path = tmp_path / "mla_deepseek_dims.py"
+    path.write_text(
+        "from tests.fixtures.hf_deepseek_v2_spec import spec as tiny\n"
+        "from axgen.spec import Train\n"
+        "rope, mla, moe = tiny.features\n"
+        "attention = tiny.decoder.attention.replace(num_heads=2, num_kv_heads=2, head_dim=192, scale=192**-0.5)\n"
+        "spec = tiny.replace(decoder=tiny.decoder.replace(attention=attention), features=[rope.replace("
+        "rotary_dim=64), mla.replace(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128), moe], "
+        "train=Train(seq_len=128, global_batch=8, steps=10, warmup_steps=1), targets=['gpu-h100-8'])\n"
+    )
+    code, [report], _ = aot(capsys, str(path), "--target", "gpu-h100-8")
+    assert code == 0 and report["fits"]
+    assert {"__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"} <= set(report["kernels"])

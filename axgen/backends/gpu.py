@@ -28,6 +28,7 @@ H100_SXM = {
     "registers_per_core_limit": 65536,
     "registers_per_block_limit": 65536,
 }
+COMPUTE_CAPABILITY = (9, 0)  # Hopper
 CUDNN_VERSION = (9, 8, 0)  # the cuDNN the compile assumes; 9.x is what enables cuDNN fused attention in XLA
 
 
@@ -35,8 +36,9 @@ def target_config() -> str:
     """XLA's GpuTargetConfigProto, as text, for an H100 SXM: what `axgen aot` hands the CUDA plugin."""
     info = "\n".join(f"  {key}: {value}" for key, value in H100_SXM.items())
     major, minor, patch = CUDNN_VERSION
+    cc_major, cc_minor = COMPUTE_CAPABILITY
     return (
-        f"gpu_device_info {{\n{info}\n  cuda_compute_capability {{\n    major: 9\n    minor: 0\n  }}\n}}\n"
+        f"gpu_device_info {{\n{info}\n  cuda_compute_capability {{\n    major: {cc_major}\n    minor: {cc_minor}\n  }}\n}}\n"
         f'platform_name: "CUDA"\n'
         f"dnn_version_info {{\n  major: {major}\n  minor: {minor}\n  patch: {patch}\n}}\n"
         f'device_description_str: "NVIDIA H100 80GB HBM3"\n'

@@ -533,8 +533,9 @@ class MLA(Feature):
     q_proj); keys and values from one latent of `kv_lora_rank` channels, rmsnorm'd and up-projected per head to
     `qk_nope_head_dim` key and `v_head_dim` value channels; the key's last `qk_rope_head_dim` channels are one
     head projected beside the latent (kv_a_proj_with_mqa) and shared by every head. RoPE turns only those
-    channels, of q and k, in adjacent pairs: the model's F.rope must say rotary_dim=qk_rope_head_dim,
-    interleaved=True. `eps` is the latent norms' (transformers' DeepSeek: 1e-6, whatever rms_norm_eps says).
+    channels, of q and k: the model's F.rope must say rotary_dim=qk_rope_head_dim, and interleaved=True for
+    adjacent pairs as DeepSeek's checkpoints turn them (V3's rope_interleave=false turns halves: interleaved=False).
+    `eps` is the latent norms' (transformers' DeepSeek: 1e-6, whatever rms_norm_eps says).
     Attention sees q/k of qk_nope_head_dim + qk_rope_head_dim channels, which Attention.head_dim states, and
     v of v_head_dim; its scale is Attention.scale (None: head_dim**-0.5). Every value is required."""
 
@@ -570,10 +571,10 @@ class MLA(Feature):
                 "num_kv_heads", f"must be num_heads={attention.num_heads} for F.mla (one k, v per head)"
             )
         rope = model.feature("rope")
-        if rope is None or rope.rotary_dim != self.qk_rope_head_dim or not rope.interleaved:
+        if rope is None or rope.rotary_dim != self.qk_rope_head_dim:
             self.fail(
                 "qk_rope_head_dim",
-                f"needs F.rope(rotary_dim={self.qk_rope_head_dim}, interleaved=True), as MLA turns its rope channels",
+                f"needs F.rope(rotary_dim={self.qk_rope_head_dim}), as MLA turns its rope channels only",
             )
         for other in ("qkv_bias", "qk_norm"):
             if model.feature(other) is not None:
