@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from axgen.build import build
 from axgen.cli import main as axgen
-from axgen.files import write_atomically
 from axgen.interop import load_program
+from axgen.runtime.attention import causal_attention, document_mask
+from tests.conftest import ROOT
 
 
 def sinks_spec(tmp_path, window):
@@ -23,12 +23,6 @@ def sinks_spec(tmp_path, window):
         f"spec = tiny.replace(features=[*tiny.features, F.attention_sinks(){window_feature}])\n"
     )
     return spec
-
-
-def program_for(tmp_path, spec, target):
-    path = tmp_path / f"sinks_{target.replace('-', '_')}.py"
-    write_atomically(path, build(spec, target).source)
-    return load_program(path)
 
 
 def reference(q, k, v, segment_ids, sinks, window):
@@ -71,11 +65,10 @@ def check(attention, expected, q, k, v, sinks, jit=jax.jit):
 
 
 @pytest.mark.parametrize("window", [None, 24])
-def test_xla_path_with_sinks_equals_the_definition(window, tmp_path):
-    program = program_for(tmp_path, sinks_spec(tmp_path, window), "cpu-1")
+def test_xla_path_with_sinks_equals_the_definition(window):
     q, k, v, sinks, segment_ids = inputs(96)
     expected = functools.partial(reference, segment_ids=segment_ids, window=window)
-    ours = functools.partial(program.attention_with_sinks, segment_ids=segment_ids, window=window)
+    ours = functools.partial(causal_attention, segment_ids=segment_ids, implementation="xla", window=window)
     check(
         lambda q, k, v, s: ours(q, k, v, sinks=s),
         lambda q, k, v, s: expected(q, k, v, sinks=s),
@@ -89,7 +82,7 @@ def test_xla_path_with_sinks_equals_the_definition(window, tmp_path):
         q,
         k,
         v,
-        mask=program.document_mask(segment_ids),
+        mask=document_mask(segment_ids),
         is_causal=True,
         local_window_size=None if window is None else (window - 1, 0),
     )
@@ -98,14 +91,20 @@ def test_xla_path_with_sinks_equals_the_definition(window, tmp_path):
 
 
 @pytest.mark.parametrize("window", [None, 64])
-def test_splash_kernel_takes_the_sinks_when_sharded(window, tmp_path):
+def test_splash_kernel_takes_the_sinks_when_sharded(window):
     """The splash kernel's own sinks in interpret mode, the heads split over the mesh (so are the sinks)."""
-    program = program_for(tmp_path, sinks_spec(tmp_path, window), "tpu-v5e-8")
-    assert program.ATTENTION_IMPL == "splash"
+    program = load_program(ROOT / "generated/llama_tiny/tpu_v5e_8.py")  # its rules and block length
     q, k, v, sinks, segment_ids = inputs(256)
     expected = functools.partial(reference, segment_ids=segment_ids, window=window)
-    options = {"window": window} if window else {}
-    splash = functools.partial(program.causal_attention, segment_ids=segment_ids, interpret=True, **options)
+    splash = functools.partial(
+        causal_attention,
+        segment_ids=segment_ids,
+        implementation="splash",
+        block=program.SPLASH_BLOCK,
+        rules=program.LOGICAL_AXIS_RULES,
+        window=window,
+        interpret=True,
+    )
     mesh = jax.make_mesh(
         (1, 4, 1, 2), ("data", "fsdp", "expert", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 4
     )

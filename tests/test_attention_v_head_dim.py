@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from axgen.backends.lowering import attention_kernel
-from axgen.codegen.emit import _environment
 from axgen.ir import Graph, GraphError
 from axgen.ir.ops import OPS
 from axgen.ir.types import TensorType
+from axgen.runtime.attention import causal_attention
 
 QK, V = 48, 24  # head dims: v narrower than q/k, as DeepSeek's 128 against 192
 
@@ -76,41 +76,6 @@ def test_the_lowering_pads_v_only_for_kernels_that_take_one_head_dim(kernel, v_d
     )
 
 
-def program_namespace(kernel: str, softcap: float | None = None):
-    """The attention helpers and one call as the printer writes them for a node of `kernel` with v's head dim V,
-    executed: the program's own code, not a copy of it."""
-    attrs = SimpleNamespace(
-        kernel=kernel,
-        window=None,
-        softcap=softcap,
-        scale=None,
-        sinks=False,
-        causal=True,
-        v_head_dim=V,
-        pad_v=kernel != "splash",
-        document_mask="dense",
-        block=128 if kernel == "splash" else None,
-    )
-    node = SimpleNamespace(op="attention", attrs=attrs)
-    template = _environment().get_template("ops/attention.j2").module
-    call = template.attention(
-        "out", attrs, {"q": "q", "k": "k", "v": "v", "segment_ids": "segment_ids"}, None
-    )
-    program = SimpleNamespace(attention_kernel=None if kernel == "xla_softcap" else kernel)
-    source = "\n".join(
-        [
-            "import jax\nimport jax.numpy as jnp\nimport os\nfrom axgen import runtime",
-            str(template.imports([node])),
-            "SPLASH_BLOCK = 128\nLOGICAL_AXIS_RULES = {}",
-            str(template.helpers([node], program)),
-            f"def call(q, k, v, segment_ids):\n    {call}\n    return out",
-        ]
-    )
-    namespace: dict = {}
-    exec(compile(source, f"<{kernel} attention>", "exec"), namespace)
-    return namespace
-
-
 def reference(q, k, v, segment_ids, softcap=None):
     """Causal grouped attention inside each document in plain jnp, q/k head dim QK, v's V."""
     heads, kv_heads = q.shape[2], k.shape[2]
@@ -126,11 +91,11 @@ def reference(q, k, v, segment_ids, softcap=None):
     return jnp.einsum("bhqs,bshd->bqhd", probs, v)
 
 
-@pytest.mark.parametrize(("kernel", "softcap"), [("xla", None), ("xla_softcap", 2.0), ("splash", None)])
-def test_each_kernel_path_equals_plain_attention_with_a_narrower_v(kernel, softcap, monkeypatch):
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_each_kernel_path_equals_plain_attention_with_a_narrower_v(softcap):
     """Values and gradients of q, k, v: XLA (and so cuDNN's call, which differs only in `implementation`) and the
-    soft-capped XLA helper with v padded and the output sliced back; splash (in interpret mode, as on CPU it can
-    only run so) with v as it is; and splash's XLA test switch, which pads."""
+    soft-capped XLA path with v padded and the output sliced back; splash (in interpret mode, as on CPU it can only
+    run so) with v as it is."""
     q, k, v = (
         jax.random.normal(key, shape)
         for key, shape in zip(
@@ -139,13 +104,12 @@ def test_each_kernel_path_equals_plain_attention_with_a_narrower_v(kernel, softc
     )
     document_starts = np.random.default_rng(0).random((2, 256)) < 0.02
     segment_ids = jnp.asarray(np.cumsum(document_starts, axis=1) + 1, jnp.int32)
-    namespace = program_namespace(kernel, softcap)
-    namespace["ATTENTION_IMPL"] = "xla"
-    paths = {"call": namespace["call"]}
-    if kernel == "splash":
-        namespace_splash = program_namespace(kernel)
-        namespace_splash["ATTENTION_IMPL"] = "splash"
-        paths["interpret"] = functools.partial(namespace_splash["causal_attention"], interpret=True)
+    paths = {
+        "xla": functools.partial(causal_attention, implementation="xla", softcap=softcap),
+        "splash": functools.partial(
+            causal_attention, implementation="splash", block=128, rules={}, softcap=softcap, interpret=True
+        ),
+    }
     expected = reference(q, k, v, segment_ids, softcap)
     loss = lambda f, q, k, v: (f(q, k, v, segment_ids) ** 2).sum()
     expected_grads = jax.grad(functools.partial(loss, reference_with(softcap)), argnums=(0, 1, 2))(q, k, v)

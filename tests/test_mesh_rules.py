@@ -17,6 +17,7 @@ from axgen.interop import load_program
 from axgen.loader import load_spec
 from axgen.spec import MeshRule, Remat
 from tests.conftest import ROOT
+from axgen.runtime.attention import causal_attention
 from axgen.runtime.program import Program
 from axgen.runtime.run import parse_args
 from axgen.runtime.training import BatchSplitError, accumulation_steps
@@ -113,7 +114,7 @@ def test_a_rule_can_choose_the_xla_attention_on_tpu(tmp_path):
     )
     source = build(spec, "tpu-v5e-8").source
     assert 'ATTENTION_IMPL = "xla"' in source and "splash" not in source
-    assert "jax.nn.dot_product_attention(" in source
+    assert "implementation=ATTENTION_IMPL" in source and "block=SPLASH_BLOCK" not in source
 
 
 @pytest.mark.parametrize(
@@ -259,7 +260,7 @@ def tiny_program_with(tmp_path, features: str, target: str, scale: float | None 
         (64, 2.0, 0.3),
     ],
 )
-def test_splash_kernel_equals_xla_attention_when_sharded(window, softcap, scale, tmp_path):
+def test_splash_kernel_equals_xla_attention_when_sharded(window, softcap, scale):
     """Splash in interpret mode against XLA: causal, with a sliding window (a local mask), with soft-capped scores
     (the kernel's own cap against the XLA helper the program uses where a kernel has none), with a softmax scale
     other than head_dim**-0.5 (Gemma-2-27B's), each over rows that pack several documents (segment ids into the
@@ -267,13 +268,7 @@ def test_splash_kernel_equals_xla_attention_when_sharded(window, softcap, scale,
     options = {
         k: v for k, v in {"window": window, "softcap": softcap, "scale": scale}.items() if v is not None
     }
-    features = [f"F.sliding_window(window={window})"] * bool(window) + [
-        f"F.softcap(attention={softcap})"
-    ] * bool(softcap)
-    if features or scale:
-        program = tiny_program_with(tmp_path, ", ".join(features), "tpu-v5e-8", scale)
-    else:
-        program = load_program(ROOT / "generated/llama_tiny/tpu_v5e_8.py")
+    program = load_program(ROOT / "generated/llama_tiny/tpu_v5e_8.py")
     q, k, v = (
         jax.random.normal(key, shape)
         for key, shape in zip(
@@ -290,19 +285,18 @@ def test_splash_kernel_equals_xla_attention_when_sharded(window, softcap, scale,
     def loss(attention, q, k, v):
         return (attention(q, k, v) ** 2).sum()
 
-    local_window_size = None if window is None else (window - 1, 0)
-    xla = functools.partial(
-        jax.nn.dot_product_attention,
-        mask=program.document_mask(segment_ids),
-        is_causal=True,
-        local_window_size=local_window_size,
-        scale=scale,
-    )
-    if softcap is not None:
-        xla = functools.partial(program.softcapped_attention, segment_ids=segment_ids, **options)
+    xla = functools.partial(causal_attention, segment_ids=segment_ids, implementation="xla", **options)
     expected = xla(q, k, v)
     expected_grads = jax.grad(functools.partial(loss, xla), argnums=(0, 1, 2))(q, k, v)
-    splash = functools.partial(program.causal_attention, segment_ids=segment_ids, interpret=True, **options)
+    splash = functools.partial(
+        causal_attention,
+        segment_ids=segment_ids,
+        implementation="splash",
+        block=program.SPLASH_BLOCK,
+        rules=program.LOGICAL_AXIS_RULES,
+        interpret=True,
+        **options,
+    )
     mesh = jax.make_mesh(
         (1, 4, 1, 2), ("data", "fsdp", "expert", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 4
     )
@@ -315,17 +309,17 @@ def test_splash_kernel_equals_xla_attention_when_sharded(window, softcap, scale,
 
 
 @pytest.mark.parametrize(
-    ("target", "features", "kernel"),
+    ("target", "features", "implementation"),
     [
-        ("cpu-1", "", "jax.nn.dot_product_attention"),
-        ("gpu-h100-8", "", "jax.nn.dot_product_attention"),
-        ("gpu-h100-8", "F.softcap(attention=2.0)", "softcapped_attention"),
-        ("tpu-v5e-8", "F.softcap(attention=2.0)", "causal_attention"),
+        ("cpu-1", "", "ATTENTION_IMPL"),  # xla
+        ("gpu-h100-8", "", "ATTENTION_IMPL"),  # cudnn
+        ("gpu-h100-8", "F.softcap(attention=2.0)", "'xla'"),  # cuDNN has no soft-cap
+        ("tpu-v5e-8", "F.softcap(attention=2.0)", "ATTENTION_IMPL"),  # splash
     ],
 )
-def test_an_attention_scale_reaches_every_kernel(target, features, kernel, tmp_path, capsys):
-    """A spec's own softmax scale is a lowering attr that every kernel's call takes: XLA's and cuDNN's (through
-    jax.nn.dot_product_attention), the soft-capped XLA path and splash."""
+def test_an_attention_scale_reaches_every_kernel(target, features, implementation, tmp_path, capsys):
+    """A spec's own softmax scale is a lowering attr that every kernel's call takes: XLA's, cuDNN's, the
+    soft-capped XLA path and splash."""
     spec = tmp_path / "scaled.py"
     spec.write_text(
         "from specs.llama_tiny import spec as tiny\nfrom axgen.spec import features as F\n"
@@ -336,8 +330,11 @@ def test_an_attention_scale_reaches_every_kernel(target, features, kernel, tmp_p
     calls = [
         call
         for call in ast.walk(ast.parse(build(spec, target).source))
-        if isinstance(call, ast.Call) and ast.unparse(call.func) == kernel
+        if isinstance(call, ast.Call) and ast.unparse(call.func) == "runtime.causal_attention"
     ]
+    assert {ast.unparse(k.value) for call in calls for k in call.keywords if k.arg == "implementation"} == {
+        implementation
+    }
     scales = [ast.unparse(k.value) for call in calls for k in call.keywords if k.arg == "scale"]
     assert len(scales) == len(calls) and repr(144**-0.5) in scales, scales
     assert axgen(["graph", str(spec), "--target", target, "--after", "lowering"]) == 0
@@ -345,9 +342,8 @@ def test_an_attention_scale_reaches_every_kernel(target, features, kernel, tmp_p
 
 
 @pytest.mark.parametrize("window", [None, 16])
-def test_softcapped_attention_is_attention_when_the_cap_is_far(window, tmp_path):
+def test_softcapped_attention_is_attention_when_the_cap_is_far(window):
     """XLA's soft-capped attention (GQA, causal, windowed) with a cap far above every score is plain attention."""
-    program = tiny_program_with(tmp_path, "F.softcap(attention=1e4)", "cpu-1")
     q, k, v = (
         jax.random.normal(key, s)
         for key, s in zip(
@@ -357,9 +353,10 @@ def test_softcapped_attention_is_attention_when_the_cap_is_far(window, tmp_path)
     local_window_size = None if window is None else (window - 1, 0)
     expected = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local_window_size)
     one_document = jnp.ones((2, 64), jnp.int32)
-    got = program.softcapped_attention(q, k, v, one_document, softcap=1e4, window=window)
+    capped = functools.partial(causal_attention, implementation="xla", window=window)
+    got = capped(q, k, v, one_document, softcap=1e4)
     np.testing.assert_allclose(got, expected, atol=1e-5)
-    capped = program.softcapped_attention(q * 30, k, v, one_document, softcap=1.0, window=window)
+    capped = capped(q * 30, k, v, one_document, softcap=1.0)
     assert not np.allclose(capped, jax.nn.dot_product_attention(q * 30, k, v, is_causal=True), atol=1e-2)
 
 

@@ -1,12 +1,13 @@
 """What every emitted program runs on, tested once: the dataset reader, checkpoints with checksums, fault
 handling, metrics, flags and the main loop (`run.main`), and the few helpers programs call (params, sharding,
-gradients, the cross-entropy). A program holds what its spec and target decide and hands it to `main`.
+gradients, attention by each kernel, the cross-entropy). A program holds what its spec and target decide and hands it to `main`.
 
 This package imports jax, optax, orbax, numpy and tensorboardX, and nothing of the compiler: a training host
 needs axgen installed (`pip install --no-deps axgen` beside its own jax works) but none of the compiler's
 dependencies.
 """
 
+from axgen.runtime.attention import causal_attention, soft_cap
 from axgen.runtime.losses import cross_entropy, lm_head_cross_entropy, trained_targets
 from axgen.runtime.params import ParamSpec, init_params
 from axgen.runtime.run import main
@@ -16,6 +17,7 @@ from axgen.runtime.training import apply_gradients, gradients, summed_over_micro
 __all__ = [
     "ParamSpec",
     "apply_gradients",
+    "causal_attention",
     "constrain",
     "cross_entropy",
     "gradients",
@@ -25,6 +27,7 @@ __all__ = [
     "main",
     "param_shardings",
     "shards",
+    "soft_cap",
     "summed_over_microbatches",
     "trained_targets",
 ]

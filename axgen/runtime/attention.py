@@ -1,0 +1,181 @@
+"""Causal attention in a packed sequence, by the kernel the lowering chose for each attention node: the Pallas splash
+kernel (TPU), cuDNN's fused attention (H100) or plain XLA ops (every chip; the only path for a soft-cap or sinks
+where the kernel lacks them). A program passes each node's kernel and options; everything here is shared.
+
+Shapes: q [batch, seq, heads, head_dim], k [batch, seq, kv_heads, head_dim], v [batch, seq, kv_heads, v_head_dim]
+(v_head_dim may differ from q/k's, as DeepSeek's MLA has it), segment_ids [batch, seq] (which document each
+position belongs to: a query sees keys of its own document only). The output has v's head dim.
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from axgen.runtime.sharding import logical_to_mesh, shards
+
+
+def causal_attention(
+    q,
+    k,
+    v,
+    segment_ids,
+    *,
+    implementation,
+    window=None,
+    softcap=None,
+    scale=None,
+    sinks=None,
+    **splash_options,
+):
+    """Causal attention by `implementation`: "splash" (then `block` and `rules`, the program's SPLASH_BLOCK and
+    LOGICAL_AXIS_RULES, are needed), "cudnn" or "xla". With a `window`, each query sees only the last `window`
+    positions, itself included; a `softcap` squashes each score to softcap * tanh(score / softcap) before the
+    softmax; `sinks` [heads] is a learned logit per head that joins every query's softmax without a value
+    (gpt-oss); the scores are q.k * `scale` (None: head_dim**-0.5)."""
+    if implementation == "splash":
+        return splash_attention(
+            q, k, v, segment_ids, window=window, softcap=softcap, scale=scale, sinks=sinks, **splash_options
+        )
+    if v.shape[-1] != q.shape[-1]:  # these paths take one head dim: v padded with zero channels, sliced back
+        padded = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - v.shape[-1])))
+        out = causal_attention(
+            q, k, padded, segment_ids, implementation=implementation, window=window, softcap=softcap, scale=scale,
+            sinks=sinks,
+        )  # fmt: skip
+        return out[..., : v.shape[-1]]
+    if softcap is not None or sinks is not None:
+        if implementation != "xla":
+            raise ValueError(
+                f"{implementation} attention takes neither a soft-cap nor sinks; the XLA path does"
+            )
+        return _attention_in_xla_ops(
+            q, k, v, segment_ids, window=window, softcap=softcap, scale=scale, sinks=sinks
+        )
+    return jax.nn.dot_product_attention(
+        q,
+        k,
+        v,
+        mask=document_mask(segment_ids),
+        is_causal=True,
+        local_window_size=None if window is None else (window - 1, 0),
+        scale=scale,
+        implementation=implementation,
+    )
+
+
+def document_mask(segment_ids):
+    """[batch, 1, seq, seq]: whether each query (row) and key (column) lie in the same document."""
+    return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
+
+
+def soft_cap(x, cap):
+    """cap * tanh(x / cap): x squashed smoothly into (-cap, cap), as Gemma 2 caps attention scores and logits."""
+    return cap * jnp.tanh(x / cap)
+
+
+def _attention_in_xla_ops(q, k, v, segment_ids, *, window, softcap, scale, sinks):
+    """The soft-capped or sunk attention in plain XLA ops: jax.nn.dot_product_attention takes neither."""
+    batch, seq, heads, head_dim = q.shape
+    kv_heads = k.shape[2]
+    grouped = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
+    scale = head_dim**-0.5 if scale is None else scale
+    scores = jnp.einsum("bqkgd,bskd->bkgqs", grouped * scale, k).astype(jnp.float32)
+    if softcap is not None:
+        scores = soft_cap(scores, softcap)
+    query, key = jnp.arange(seq)[:, None], jnp.arange(seq)[None, :]
+    visible = key <= query if window is None else (key <= query) & (key > query - window)
+    visible = visible & document_mask(segment_ids)[:, :, None]  # [batch, kv_heads=1, group=1, seq, seq]
+    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:  # the sink is one more column of every query's scores; its probability is dropped with it
+        sink = sinks.astype(jnp.float32).reshape(1, kv_heads, heads // kv_heads, 1, 1)
+        sink = jnp.broadcast_to(sink, (*scores.shape[:-1], 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+    out = jnp.einsum("bkgqs,bskd->bqkgd", probs.astype(v.dtype), v)
+    return out.reshape(batch, seq, heads, v.shape[-1])
+
+
+def splash_attention(
+    q, k, v, segment_ids, *, block, rules, window=None, softcap=None, scale=None, sinks=None, interpret=False
+):
+    """The Pallas splash kernel, which skips the blocks the causal mask (and a window) hides, masks across documents
+    by the segment ids and groups query heads over kv heads itself; q/k and v may have different head dims. Each
+    device runs it on its own batch rows and heads, split as `rules` split the activations. `block`: the query and
+    key/value block length (at most the sequence). `interpret=True` runs the kernel's interpreter, so it can be
+    checked on CPU."""
+    batch, seq, heads, head_dim = q.shape
+    block = min(block, seq)
+    block_sizes = splash.BlockSizes(
+        block_q=block,
+        block_kv=block,
+        block_kv_compute=block,
+        block_q_dkv=block,
+        block_kv_dkv=block,
+        block_kv_dkv_compute=block,
+        block_q_dq=block,
+        block_kv_dq=block,
+    )
+    if window is None:
+        one_head = splash_mask.CausalMask(shape=(seq, seq))
+    else:
+        one_head = splash_mask.LocalMask(shape=(seq, seq), window_size=(window - 1, 0), offset=0)
+    mask = splash_mask.MultiHeadMask([one_head] * heads)
+    mesh = jax.sharding.get_abstract_mesh()
+    q_spec = (
+        P()
+        if mesh.empty
+        else logical_to_mesh(rules, ("batch", "seq", "heads", "head_dim"), q.shape, mesh.shape)
+    )
+    kv_spec = (
+        P()
+        if mesh.empty
+        else logical_to_mesh(rules, ("batch", "seq", "kv_heads", "head_dim"), k.shape, mesh.shape)
+    )
+    head_shards = 1 if mesh.empty else shards(q_spec[2], mesh.shape)
+    kernel = splash.make_splash_mha(
+        mask,
+        block_sizes=block_sizes,
+        attn_logits_soft_cap=softcap,
+        head_shards=head_shards,
+        q_seq_shards=1,
+        interpret=interpret,
+    )
+    scale = head_dim**-0.5 if scale is None else scale
+
+    def per_device(kernel, q, k, v, segment_ids, *sinks):
+        # The kernel takes one sequence as [heads, seq, head_dim] and does not scale the scores itself; the sinks
+        # [heads] are the same for every row of the batch.
+        q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q * scale, k, v))
+        options = {"sinks": sinks[0]} if sinks else {}
+        one_row = lambda q, k, v, ids: kernel(
+            q, k, v, segment_ids=splash.SegmentIds(q=ids, kv=ids), **options
+        )
+        return jnp.swapaxes(jax.vmap(one_row)(q, k, v, segment_ids), 1, 2)
+
+    with_sinks = () if sinks is None else (sinks,)
+    if mesh.empty:
+        return per_device(kernel, q, k, v, segment_ids, *with_sinks)
+    # The kernel's mask follows the heads' split; it reads the split off a sharding, which a shard_map's manual
+    # axes (runtime.gradients' replicas) have none of.
+    heads_split = NamedSharding(
+        jax.sharding.AbstractMesh(mesh.axis_sizes, mesh.axis_names), P(q_spec[2], None)
+    )
+    sinks_spec = () if sinks is None else (P(q_spec[2]),)
+    return jax.shard_map(
+        per_device,
+        mesh=mesh,
+        in_specs=(
+            kernel.manual_sharding_spec(heads_split),
+            q_spec,
+            kv_spec,
+            kv_spec,
+            P(q_spec[0], q_spec[1]),
+            *sinks_spec,
+        ),
+        out_specs=q_spec,
+        check_vma=False,
+    )(kernel, q, k, v, segment_ids, *with_sinks)
