@@ -221,6 +221,7 @@ def _compile_here(program_path: str, spec_path: str, target: str, rule: str) -> 
                 compile_seconds=time.perf_counter() - began,
                 fits=False,
                 peak_bytes=None,
+                temp_bytes=refused_temporaries(message),
                 out_of_memory=message.strip(),
             )
         seconds = time.perf_counter() - began
@@ -276,6 +277,20 @@ def _devices(plan: Plan) -> tuple[list, str]:
             f"{plan.target} needs {plan.num_devices} fake CPU devices; jax started with {len(devices)}"
         )
     return devices[: plan.num_devices], f"{count} emulated by {plan.num_devices} fake CPU devices"
+
+
+# libtpu's refusal: "... the total memory required for HLO temporaries (147.69G) exceeds available HBM (95.73G)",
+# sizes as XLA writes them (HumanReadableNumBytes: powers of 1024).
+_REFUSED_TEMPORARIES = re.compile(r"\(([\d.]+)([KMGT]?)i?B?\) exceeds available HBM")
+
+
+def refused_temporaries(message: str) -> int | None:
+    """The temporaries a refused compile needed, where the compiler's message says (the TPU compiler's does)."""
+    found = _REFUSED_TEMPORARIES.search(message)
+    if found is None:
+        return None
+    number, unit = found.groups()
+    return int(float(number) * 1024 ** " KMGT".index(unit or " "))
 
 
 @contextlib.contextmanager

@@ -13,11 +13,12 @@ the slowest of four resources at the chip's published peak rate, as if the other
 - host: bytes offloaded to host memory and back, against the host link;
 - collectives: bytes its collectives move, against the inter-device link.
 
-To keep the compiles few, memory decides the order. For each mesh and policy the largest microbatch that fits is
+To keep the compiles few, memory decides the order. The target's own rule (the spec's mesh rule or the backend's
+default) is compiled first. Then, for each mesh and policy the largest microbatch that fits is
 searched from the top down (a smaller one only adds passes and weight gathers), and a policy is skipped where one
 that keeps no more already failed at that size or smaller. Each compile also bounds what smaller passes can need
-(`_least_peak`: temporaries shrink at most in proportion to the pass), so sizes that cannot fit are pruned, and
-said so, without compiling them. The splash block length is tried last, on the best few.
+(`_least_peak`: temporaries shrink at most in proportion to the pass), on its own mesh and on those that shard the
+params less finely, so sizes that cannot fit are pruned, and said so, without compiling them. The splash block length is tried last, on the best few.
 """
 
 from __future__ import annotations
@@ -121,6 +122,9 @@ class Search:
     def compile(self, candidate: Candidate) -> Outcome | None:
         """The candidate's outcome; None once the compile budget is spent."""
         with self.lock:
+            done = next((o for o in self.outcomes if o.candidate == candidate), None)
+            if done is not None:  # the target's own rule, compiled first, comes up again in its policy's turn
+                return done
             if len(self.outcomes) >= self.max_compiles:
                 return None
             self.outcomes.append(placeholder := Outcome(candidate, None, "compiling"))
@@ -155,6 +159,11 @@ def search(
     mesh_splits = [_full(m, per_slice) for m in meshes] if meshes else _meshes(spec, plan)
     policies = [p for p in POLICIES if p != "offload_dots" or "host_offload" in plan.chip.capabilities]
     block = plan.attention_block
+    if not meshes:
+        # The target's own rule first: what the spec's author sized, and where a search that finds nothing better
+        # still has an answer. Its figures bound the smaller passes of the policies that keep no more.
+        remat = spec.feature("remat") or plan.remat
+        state.compile(Candidate(mesh_splits[0], plan.microbatch, remat.policy if remat else "none", block))
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         # Policy by policy, so a spent budget leaves every mesh tried under the cheaper ones.
         for policy in policies:
@@ -215,19 +224,34 @@ def _frontier(state: Search, spec: Model, plan: Plan, mesh: tuple, policy: str, 
 
 def _least_peak(outcomes: list[Outcome], mesh: tuple, policy: str, microbatch: int) -> int | None:
     """The least peak bytes `microbatch` sequences per pass can need on this mesh under this policy, from compiles
-    of larger passes under policies that keep no more on the device. A pass's temporaries are a part that does not
-    depend on its size (gradients, gathered weights) plus activations in proportion to it, so at m' < m they are at
-    least temp(m) * m' / m; the rest of the peak (params, optimizer state) does not change."""
+    of passes as large or larger, under policies that keep no more on the device, on this mesh or on one that
+    shards the params at least as finely (`_needs_no_more`). A pass's temporaries are a part that does not depend
+    on its size (gradients, gathered weights) plus activations in proportion to it, so at m' < m they are at least
+    temp(m) * m' / m; the rest of the peak (params, optimizer state) does not change. A compile the TPU compiler
+    refused says only its temporaries, which bound the peak from below alone."""
     bounds = [
-        o.report.peak_bytes - o.report.temp_bytes * (1 - microbatch / o.candidate.microbatch)
+        (o.report.peak_bytes or o.report.temp_bytes)
+        - o.report.temp_bytes * (1 - microbatch / o.candidate.microbatch)
         for o in outcomes
         if o.report is not None
-        and o.report.peak_bytes is not None
-        and o.candidate.mesh == mesh
+        and o.report.temp_bytes is not None
+        and _needs_no_more(o.candidate.mesh, mesh)
         and o.candidate.microbatch >= microbatch
         and KEPT_ON_DEVICE[o.candidate.remat] <= KEPT_ON_DEVICE[policy]
     ]
     return int(max(bounds)) if bounds else None
+
+
+def _needs_no_more(compiled: tuple, mesh: tuple) -> bool:
+    """Whether `compiled` needs no more memory than `mesh` at the same pass and policy: the same model and expert
+    splits and as many batch shards (so each device holds the same activations), the params sharded over at least
+    as many fsdp devices (so each holds no more of them, their gradients and optimizer state)."""
+    compiled, mesh = dict(compiled), dict(mesh)
+    return (
+        all(compiled[a] == mesh[a] for a in ("model", "expert"))
+        and compiled["data"] * compiled["fsdp"] == mesh["data"] * mesh["fsdp"]
+        and compiled["fsdp"] >= mesh["fsdp"]
+    )
 
 
 def _meshes(spec: Model, plan: Plan) -> list[tuple[tuple[str, int], ...]]:

@@ -9,6 +9,7 @@ import types
 import pytest
 
 from axgen import plan as planning
+from axgen.aot import refused_temporaries
 from axgen.backends import plan_for
 from axgen.build import build
 from axgen.cli import main as axgen
@@ -39,16 +40,18 @@ def test_plan_drops_what_does_not_fit_ranks_the_rest_and_writes_the_winner(tmp_p
     spec = tmp_path / "specs" / "wide_tiny.py"
     spec.parent.mkdir()
     spec.write_text(WIDE)
-    code = axgen(["plan", str(spec), "--target", "gpu-h100-1", "--max-compiles", "3", "--write"])
+    code = axgen(["plan", str(spec), "--target", "gpu-h100-1", "--max-compiles", "4", "--write"])
     out = capsys.readouterr().out
     assert code == 0, out
-    # Keeping everything, 128 sequences per pass need 154 GiB, over the 75.2 GiB the program's allocator takes (95%
-    # of 79.1). Half the pass keeps at least half the temporaries, 77.76 GiB, so 64 is pruned without a compile
-    # (compiled, it needed 78.65); 32 fits, and the third compile goes to the next policy.
-    assert "[1/3] 1 device, microbatch 128, none: does not fit (154.00 GiB)" in out
+    # First the target's own rule (the H100 backend's save_dots, 2 sequences a pass). Keeping everything, 128
+    # sequences per pass need 154 GiB, over the 75.2 GiB the program's allocator takes (95% of 79.1). Half the pass
+    # keeps at least half the temporaries, 77.76 GiB, so 64 is pruned without a compile (compiled, it needed
+    # 78.65); 32 fits, and the fourth compile goes to the next policy.
+    assert "[1/4] 1 device, microbatch 2, save_dots: fits (3.55 GiB)" in out
+    assert "[2/4] 1 device, microbatch 128, none: does not fit (154.00 GiB)" in out
     assert "pruned 1 device, microbatch 64, none: needs at least 77.76 GiB, more than 75.2 usable" in out
-    assert "[2/3] 1 device, microbatch 32, none: fits (41.58 GiB)" in out
-    assert "2 fit 75.2 GiB usable per device; 1 did not:" in out
+    assert "[3/4] 1 device, microbatch 32, none: fits (41.58 GiB)" in out
+    assert "3 fit 75.2 GiB usable per device; 1 did not:" in out
     [row] = [line for line in out.splitlines() if line.startswith("   1  ")]
     assert row.split()[1:5] == ["1", "device", "128", "save_dots"]
 
@@ -130,6 +133,64 @@ def test_a_pass_whose_least_possible_peak_is_over_the_budget_is_pruned_without_c
         f"pruned 1 device, microbatch 8, none: needs at least {1.1 * usable / 2**30:.2f} GiB, more "
         f"than {usable / 2**30:.1f} usable"
     ]
+
+
+def test_a_compile_bounds_the_meshes_that_shard_the_params_less_finely():
+    """None at 64 sequences on fsdp=8 needed 4119.56 GiB (llama3-8b on gpu-h100-8, measured): data=2 x fsdp=4
+    holds the same activations and more of the params, so it needs at least as much, and is pruned from that one
+    compile; a mesh that splits the model differently is not bounded by it, nor is a policy that keeps less.
+    """
+    fsdp8, data2 = planning._full({"fsdp": 8}, 8), planning._full({"data": 2, "fsdp": 4}, 8)
+    model2 = planning._full({"model": 2, "fsdp": 4}, 8)
+    report = types.SimpleNamespace(peak_bytes=int(4119.56 * 2**30), temp_bytes=int(4100 * 2**30))
+    outcomes = [planning.Outcome(planning.Candidate(fsdp8, 64, "none"), report)]
+    least = planning._least_peak(outcomes, data2, "none", 1)
+    assert least == int((4119.56 - 4100 * 63 / 64) * 2**30)
+    assert planning._least_peak(outcomes, model2, "none", 1) is None
+    assert planning._least_peak(outcomes, data2, "save_dots", 1) is None
+    assert (
+        planning._least_peak(
+            [planning.Outcome(planning.Candidate(data2, 64, "none"), report)], fsdp8, "none", 1
+        )
+        is None
+    )
+
+
+def test_a_tpu_refusal_s_temporaries_bound_the_smaller_passes():
+    """libtpu's refusal names the temporaries it needed (this message: qwen3-235b-a22b on tpu-v5p-256, docs/aot.md),
+    which alone bound a smaller pass's peak from below."""
+    message = (
+        "RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory required for HLO "
+        "temporaries (147.69G) exceeds available HBM (95.73G). HLO module: jit_train_step."
+    )
+    temp = int(147.69 * 2**30)
+    assert refused_temporaries(message) == temp
+    assert refused_temporaries("RESOURCE_EXHAUSTED: out of memory while trying to allocate") is None
+    mesh = planning._full({"fsdp": 256}, 256)
+    refused = types.SimpleNamespace(peak_bytes=None, temp_bytes=temp)
+    outcomes = [planning.Outcome(planning.Candidate(mesh, 4, "none"), refused)]
+    assert planning._least_peak(outcomes, mesh, "none", 2) == temp // 2
+
+
+def test_the_search_compiles_the_target_s_own_rule_first(monkeypatch):
+    """Whatever else the budget buys, the spec's own rule for the target is compiled first, once."""
+    compiled = []
+
+    def compile_target(spec_path, target, rule):
+        compiled.append(rule)
+        return types.SimpleNamespace(fits=False, peak_bytes=None, temp_bytes=None)
+
+    monkeypatch.setattr(planning, "compile_target", compile_target)
+    spec = load_spec(ROOT / "specs/llama_tiny.py")
+    plan = plan_for(spec, "tpu-v5e-8")
+    planning.search(ROOT / "specs/llama_tiny.py", "tpu-v5e-8", max_compiles=3, jobs=1)
+    assert compiled[0] == {
+        "mesh": {a: n for a, n in plan.mesh if n > 1},
+        "microbatch": plan.microbatch,
+        "remat": plan.remat.policy,
+        "attention_block": plan.attention_block,
+    }
+    assert len(compiled) == 3 and compiled[0] not in compiled[1:]
 
 
 def test_plan_inputs_are_one_line(capsys, tmp_path):
