@@ -11,9 +11,11 @@ either layout and writes the Hub's unless asked for the fused one.
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -394,3 +396,113 @@ class Mxfp4Experts(Mapping):
 
     def __len__(self) -> int:
         return len(self.names)
+
+
+# --- DeepSeek-V3's FP8 blocks --------------------------------------------------------------------------------------
+
+# `X_scale_inv` beside `X`: the Hub's `*.weight_scale_inv`, and a fused expert tensor's likewise.
+FP8_SCALE = "_scale_inv"
+
+
+def fp8_block_size(hf_dir: Path, scale_name: str) -> tuple[int, int]:
+    """The block (rows, columns) each float32 scale_inv covers, as the checkpoint folder's config.json states it
+    (quantization_config.weight_block_size): a scale grid alone does not tell it where the edge blocks are partial.
+    """
+    path = Path(hf_dir) / "config.json"
+    try:
+        storage = json.loads(path.read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        storage = None
+    block = storage.get("weight_block_size") if isinstance(storage, dict) else None
+    if not (
+        isinstance(storage, dict)
+        and storage.get("quant_method") == "fp8"
+        and isinstance(block, list)
+        and len(block) == 2
+        and all(type(size) is int and size > 0 for size in block)
+    ):
+        raise CheckpointError(
+            f"{hf_dir}: holds {scale_name!r}, but {path.name} beside it states no FP8 quantization_config with a "
+            f"weight_block_size of two sizes (found {storage!r}), so the blocks' size is unknown"
+        )
+    return block[0], block[1]
+
+
+def dequantize_fp8_blocks(
+    weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], dtype, name: str
+) -> np.ndarray:
+    """`name` (float8_e4m3fn [..., rows, columns]) times the float32 `name`_scale_inv of its block
+    ([..., ceil(rows / block[0]), ceil(columns / block[1])]; the last row and column of blocks may be partial),
+    multiplied in float32 and then cast to `dtype`, as transformers' Fp8Dequantize and DeepSeek's weight_dequant.
+    """
+    rows, columns = weight.shape[-2:] if weight.ndim >= 2 else (0, 0)
+    grid = (*weight.shape[:-2], -(-rows // block[0]), -(-columns // block[1]))
+    if (
+        weight.dtype != ml_dtypes.float8_e4m3fn
+        or scale_inv.dtype != np.float32
+        or weight.ndim < 2
+        or scale_inv.shape != grid
+    ):
+        raise CheckpointError(
+            f"tensor {name!r} {weight.dtype}{list(weight.shape)} with {name + FP8_SCALE!r} "
+            f"{scale_inv.dtype}{list(scale_inv.shape)} are not FP8 blocks of {block[0]} x {block[1]} "
+            f"(float8_e4m3fn [..., rows, columns] and float32 [..., ceil(rows / {block[0]}), "
+            f"ceil(columns / {block[1]})])"
+        )
+    scales = np.repeat(np.repeat(scale_inv, block[0], axis=-2)[..., :rows, :], block[1], axis=-1)
+    with np.errstate(over="ignore"):  # an overflow is inf, which the reader refuses by name
+        return (weight.astype(np.float32) * scales[..., :columns]).astype(dtype)
+
+
+class Fp8Blocks(Mapping):
+    """A checkpoint's tensors with each FP8 pair, `X` and `X_scale_inv` (DeepSeek-V3's projections on the Hub,
+    `X` a `*.weight`, or a fused expert tensor), read as the one weight `X` dequantized to `dtype`, one tensor at a
+    time; every other tensor as it is. The block size is the checkpoint's config.json's (`fp8_block_size`)."""
+
+    def __init__(self, checkpoint: Mapping, dtype, hf_dir: Path, source: str):
+        self.checkpoint, self.dtype, self.source = checkpoint, dtype, source
+        order = list(checkpoint)
+        stored = set(order)  # names only: a Mapping's `in` would read the tensor
+        scales = sorted(name for name in stored if name.endswith(FP8_SCALE))
+        for scale in scales:
+            if scale.removesuffix(FP8_SCALE) not in stored:
+                raise CheckpointError(
+                    f"{source}: holds {scale!r} without {scale.removesuffix(FP8_SCALE)!r}, the FP8 weight it scales"
+                )
+        self.block = fp8_block_size(hf_dir, scales[0]) if scales else None
+        self.quantized = {scale.removesuffix(FP8_SCALE) for scale in scales}
+        self.order = [name for name in order if not name.endswith(FP8_SCALE)]
+        self.names = set(self.order)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self.names:
+            raise KeyError(name)
+        if name not in self.quantized:
+            tensor = self.checkpoint[name]
+            if tensor.dtype == ml_dtypes.float8_e4m3fn:
+                raise CheckpointError(
+                    f"{self.source}: tensor {name!r} is float8_e4m3fn without {name + FP8_SCALE!r} to scale it"
+                )
+            return tensor
+        try:
+            weight = dequantize_fp8_blocks(
+                self.checkpoint[name], self.checkpoint[name + FP8_SCALE], self.block, self.dtype, name
+            )
+        except CheckpointError as err:
+            raise CheckpointError(f"{self.source}: {err}") from None
+        if not np.isfinite(weight).all():  # a scale whose products overflow the dtype
+            bad = int(weight.size - np.isfinite(weight).sum())
+            raise CheckpointError(
+                f"{self.source}: {name + FP8_SCALE} make {bad} infinite weights in {np.dtype(self.dtype).name}; "
+                "training from them would skip every step"
+            )
+        return weight
+
+    def __contains__(self, name) -> bool:
+        return name in self.names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.order)
+
+    def __len__(self) -> int:
+        return len(self.order)

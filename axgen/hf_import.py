@@ -368,6 +368,9 @@ class SpecSource:
     tie_embeddings: bool = False
     checkpoint_dtype: str | None = None
     features: list[str] = field(default_factory=list)
+    # Comment lines written above checkpoint_dtype: how the published checkpoint stores its weights, where convert-hf
+    # reads them otherwise than as stored (DeepSeek-V3's FP8 blocks).
+    checkpoint_comment: str = ""
 
 
 def _shown(value) -> str:
@@ -965,6 +968,7 @@ def deepseek_v3(c: Config) -> SpecSource:
     if type(interleave) is not bool:
         raise HFImportError(f"{c.path}: rope_interleave={_shown(interleave)} is not true or false")
     source = _deepseek_mla(c, interleaved=interleave)
+    source.checkpoint_comment = _fp8_storage(c)
     source.mlp = f'MLP(hidden_dim={_number(c["moe_intermediate_size"])}, activation="swiglu")'
     renormalize = c["norm_topk_prob"]
     if type(renormalize) is not bool:
@@ -988,6 +992,66 @@ def deepseek_v3(c: Config) -> SpecSource:
         + ")"
     )
     return source
+
+
+# DeepSeek-V3's published quantization_config (V3.1's adds scale_fmt ue8m0: its scales are powers of two, still
+# stored as float32), each key with the values convert-hf reads.
+FP8_STORAGE = {
+    "quant_method": ("fp8",),
+    "fmt": ("e4m3",),
+    "activation_scheme": ("dynamic",),  # how DeepSeek's inference quantizes activations; training does not
+    "scale_fmt": ("ue8m0",),
+}
+
+
+def _fp8_storage(c: Config) -> str:
+    """`quantization_config`: DeepSeek-V3's checkpoints store each projection as float8_e4m3fn blocks with a float32
+    weight_scale_inv per block, which convert-hf dequantizes (it does not change what the model computes); the
+    comment the spec gets that says so, or "" for a checkpoint without one."""
+    storage = c.values.get("quantization_config")
+    c.read.add("quantization_config")
+    if storage is None:
+        return ""
+    method = storage.get("quant_method") if isinstance(storage, dict) else storage
+    if method != "fp8":
+        raise HFImportError(
+            f"{c.path}: quantization_config.quant_method={_shown(method)} is not a storage convert-hf reads (fp8)"
+        )
+    for key in sorted(storage):
+        value = storage[key]
+        if key == "weight_block_size":
+            if not (
+                isinstance(value, list) and len(value) == 2 and all(type(v) is int and v > 0 for v in value)
+            ):
+                raise HFImportError(
+                    f"{c.path}: quantization_config.weight_block_size={_shown(value)} is not [rows, columns] of "
+                    "a 2-D block"
+                )
+        elif key not in FP8_STORAGE:
+            raise HFImportError(
+                f"{c.path}: quantization_config.{key}={_shown(value)} is not a key axgen's fp8 reading knows"
+            )
+        elif value not in FP8_STORAGE[key]:
+            raise HFImportError(
+                f"{c.path}: quantization_config.{key}={_shown(value)} is not a storage convert-hf reads "
+                f"({', '.join(FP8_STORAGE[key])})"
+            )
+    if "weight_block_size" not in storage:
+        raise HFImportError(
+            f"{c.path}: quantization_config states no weight_block_size, which convert-hf needs to read its blocks"
+        )
+    rows, columns = storage["weight_block_size"]
+    powers = (
+        "\n# scale_fmt ue8m0: the scales are powers of two, stored as float32."
+        if "scale_fmt" in storage
+        else ""
+    )
+    return (
+        f"# The published checkpoint stores the projections as FP8 (e4m3) in {rows} x {columns} blocks, each with a"
+        "\n# float32 weight_scale_inv (its quantization_config); convert-hf dequantizes them to checkpoint_dtype by"
+        "\n# the block size in the checkpoint's config.json. Training does not keep FP8 blocks: the program trains"
+        f"\n# in its own dtype.{powers}\n"
+    )
 
 
 def _deepseek_mla(c: Config, interleaved: bool) -> SpecSource:
@@ -1107,7 +1171,7 @@ spec = Model(
     vocab_size={_number(source.vocab_size)},
     d_model={_number(source.d_model)},
     tie_embeddings={source.tie_embeddings!r},
-    checkpoint_dtype={source.checkpoint_dtype!r},
+    {source.checkpoint_comment}checkpoint_dtype={source.checkpoint_dtype!r},
     decoder=Decoder(
         num_layers={source.num_layers},
         attention={source.attention},

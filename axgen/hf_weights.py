@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from axgen.files import check_replaceable, staging_dir
-from axgen.hf_families import fused_view, mtp_tensors
+from axgen.hf_families import MODEL_DTYPES, Fp8Blocks, fused_view, mtp_tensors
 from axgen.interop import CheckpointError, hf_layout, hf_names, hf_shapes, hf_to_params, host_jax
 from axgen.spec import Model
 
@@ -35,6 +35,7 @@ DTYPES = {
     "I64": np.int64,
     "I32": np.int32,
     "U8": np.uint8,  # gpt-oss's MXFP4 experts: blocks of e2m1 pairs and e8m0 scales (hf_families.Mxfp4Experts)
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,  # DeepSeek-V3's FP8 blocks, scaled by F32s (hf_families.Fp8Blocks)
 }
 # Tensors some checkpoints carry that are not weights: RoPE's inverse frequencies, recomputed from theta.
 NOT_WEIGHTS = ("rotary_emb.inv_freq",)
@@ -170,7 +171,9 @@ def convert_hf(spec: Model, hf_dir: Path, out: Path, overwrite: bool = False) ->
     out = Path(out).resolve()
     check_replaceable(out, overwrite, "_CHECKPOINT_METADATA")
     with HeldInterrupts() as interrupts:
-        checkpoint = fused_view(HFCheckpoint(hf_dir), spec, hf_shapes(spec), str(hf_dir))
+        # FP8 blocks are dequantized first, under the Hub's names, so that experts are stacked from their weights.
+        hub = Fp8Blocks(HFCheckpoint(hf_dir), MODEL_DTYPES[spec.checkpoint_dtype], hf_dir, str(hf_dir))
+        checkpoint = fused_view(hub, spec, hf_shapes(spec), str(hf_dir))
         check_names(checkpoint, spec, str(hf_dir))
         params = hf_to_params(_Checked(checkpoint, interrupts), spec, dtype=None)
         staging = staging_dir(out)

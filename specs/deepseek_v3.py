@@ -4,8 +4,9 @@
 layers dense at 18432, then DeepSeek-MoE: 256 routed experts of 2048, sigmoid scores plus the e_score_correction_bias,
 the top-8 from the best 4 of 8 groups (noaux_tc), renormalised and scaled by 2.5, and one shared expert. Written as
 `axgen import-hf` writes transformers 5.23's DeepseekV3Config (whose defaults are these numbers) with that YaRN;
-the published config.json (tests/fixtures/hf_configs/published/deepseek-v3.json) imports as this spec once its
-quantization_config (the Hub's FP8 storage, which convert-hf does not read) is taken out. 671,026,404,352 parameters
+the published config.json (tests/fixtures/hf_configs/published/deepseek-v3.json, and V3.1's and R1's) imports as
+this spec, its quantization_config (the Hub's FP8 blocks, which convert-hf dequantizes) the comment on
+checkpoint_dtype. 671,026,404,352 parameters
 as transformers counts them (correction biases are buffers, not parameters), the multi-token-prediction layer (the
 Hub's model.layers.61) left out: it is not trained here."""
 
@@ -17,6 +18,10 @@ spec = Model(
     vocab_size=129_280,
     d_model=7168,
     tie_embeddings=False,
+    # The published checkpoint stores the projections as FP8 (e4m3) in 128 x 128 blocks, each with a
+    # float32 weight_scale_inv (its quantization_config); convert-hf dequantizes them to checkpoint_dtype by
+    # the block size in the checkpoint's config.json. Training does not keep FP8 blocks: the program trains
+    # in its own dtype.
     checkpoint_dtype="bfloat16",
     decoder=Decoder(
         num_layers=61,

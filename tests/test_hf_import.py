@@ -35,6 +35,12 @@ PUBLISHED = {
     "gemma-2-9b-it": (9_241_705_984, None),
     # The card says 15.7B; this is transformers 5.23's count of the config (tests/fixtures/count_hf_params.py).
     "deepseek-v2-lite": (15_706_484_224, "deepseek_v2_lite"),
+    # The cards say 685B: 671B and the multi-token-prediction layer, which neither transformers' model nor axgen's
+    # has; this is transformers 5.23's count of the config (count_hf_params.py). Their weights are FP8 blocks,
+    # which convert-hf dequantizes.
+    "deepseek-v3": (671_026_404_352, "deepseek_v3"),
+    "deepseek-v3.1": (671_026_404_352, "deepseek_v3"),
+    "deepseek-r1": (671_026_404_352, "deepseek_v3"),
 }
 
 
@@ -83,7 +89,7 @@ BUNDLED = {"qwen3_235b_a22b": 235_093_634_560}
 # DeepSeek-V3: transformers 5.23's count of DeepseekV3Config's defaults (its numbers are the 671B's) with YaRN factor
 # 40 over 4096; DeepSeek-V2-Lite: of a DeepseekV2Config of 27 layers, hidden 2048, 16 heads, no q latent, kv latent
 # 512, 64 experts of 1408 top-6, 2 shared, the first layer dense at 10944, vocab 102400 (its published config.json,
-# now in the corpus, is in PUBLISHED; DeepSeek-V3's is refused at its FP8 quantization_config). The
+# now in the corpus, is in PUBLISHED, as are DeepSeek-V3's, V3.1's and R1's, FP8 quantization_config and all). The
 # multi-token-prediction layer is not a parameter of transformers' model either.
 BUNDLED |= {"deepseek_v3": 671_026_404_352, "deepseek_v2_lite": 15_706_484_224}
 
