@@ -230,19 +230,22 @@ def test_the_experts_node_after_the_pass_and_after_each_targets_lowering(tmp_pat
     assert lines == snapshot
 
 
-def test_quantized_experts_split_over_devices_train_as_on_one_device(tmp_path, corpus):
+@pytest.mark.parametrize("dtype", ["int8", "fp8"])
+def test_quantized_experts_split_over_devices_train_as_on_one_device(tmp_path, corpus, dtype):
     """Each device computes the rows of its own experts (the others sort after its last group) under the MoE's
-    shard_map: with the experts split four ways, the program's losses are the one-device program's."""
+    shard_map, which checks the mesh axes values vary over: with the experts split four ways and the batch two, the
+    program's losses are the one-device program's."""
     path = tmp_path / "split_experts.py"
     path.write_text(
         "from specs.moe_tiny import spec as base\n"
         "from axgen.spec import MeshRule, features as F\n"
-        "spec = base.replace(features=[*base.features, F.quantize(dtype='int8', include=r'moe_layers/moe')],\n"
+        f"spec = base.replace(features=[*base.features, F.quantize(dtype='{dtype}', emulate=True,"
+        " include=r'moe_layers/moe')],\n"
         "    mesh_rules=[MeshRule('cpu-8', {'data': 2, 'expert': 4}, why='one expert per device')])\n"
     )
     program = tmp_path / "program.py"
     write_atomically(program, build(path, "cpu-8").source)
-    assert "matmul=runtime.int8_ragged_dot" in program.read_text()
+    assert f"matmul=runtime.{dtype}_ragged_dot" in program.read_text()
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         sharded_log, single_log = pool.map(
             lambda single: run_main(program, 8, single, corpus, tmp_path / f"single_{single}"), (False, True)
@@ -251,7 +254,7 @@ def test_quantized_experts_split_over_devices_train_as_on_one_device(tmp_path, c
     sharded = [float(loss) for _, loss in STEP_LINE.findall(sharded_log)]
     single = [float(loss) for _, loss in STEP_LINE.findall(single_log)]
     assert len(sharded) == len(single) == 3
-    # Sharded matmuls add in another order, and where that moves a value across an int8 rounding step the step's
-    # error is 1/127 of its scale: within 1e-3, where an expert's rows lost or counted twice would move the loss
-    # by far more.
+    # Sharded matmuls add in another order, and fp8 scales each device's rows by their own max: values move across
+    # rounding steps (1/127 of a scale for int8, 2^-4 relative for e4m3). Within 1e-3, where an expert's rows lost
+    # or a weight gradient not summed over the data axis would move the loss by far more.
     np.testing.assert_allclose(sharded, single, rtol=1e-3)

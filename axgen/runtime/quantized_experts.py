@@ -88,13 +88,13 @@ def _fp8_forward(rows, weights, group_sizes):
     qw, w_scale = quantize_fp8(weights, jnp.float8_e4m3fn, (1, 2))  # [experts, 1, 1]
     row_scale = w_scale[group_of_rows(group_sizes, rows.shape[0]), 0]  # [rows, 1]: each row's expert's
     out = jax.lax.ragged_dot(qx, qw, group_sizes, preferred_element_type=jnp.float32) * (x_scale * row_scale)
-    # Zero-size arrays carry the rows' and weights' dtypes to the backward pass.
-    saved = (qx, x_scale, qw, row_scale, group_sizes, jnp.zeros(0, rows.dtype), jnp.zeros(0, weights.dtype))
+    # Zero-size slices carry the rows' and weights' dtypes, and the mesh axes they vary over, to the backward pass.
+    saved = (qx, x_scale, qw, row_scale, group_sizes, rows[:0], weights[:0])
     return out.astype(rows.dtype), saved
 
 
 def _fp8_backward(saved, grad):
-    qx, x_scale, qw, row_scale, group_sizes, rows_dtype, weights_dtype = saved
+    qx, x_scale, qw, row_scale, group_sizes, rows_like, weights_like = saved
     qg, g_scale = quantize_fp8(grad, jnp.float8_e5m2)
     d_rows = jax.lax.ragged_dot(
         qg, jnp.swapaxes(qw, 1, 2), group_sizes, preferred_element_type=jnp.float32
@@ -102,7 +102,23 @@ def _fp8_backward(saved, grad):
     d_weights = jax.lax.ragged_dot_general(
         qx, qg, group_sizes, _PER_GROUP, preferred_element_type=jnp.float32
     ) * (x_scale * g_scale)
-    return d_rows.astype(rows_dtype.dtype), d_weights.astype(weights_dtype.dtype), None
+    return _like(d_rows, rows_like), _like(d_weights, weights_like), None
+
+
+def _like(cotangent, primal):
+    """`cotangent` in `primal`'s dtype, summed over the mesh axes it varies over and `primal` does not: inside a
+    shard_map, weights the devices of a batch axis share take the sum of their devices' gradients (what jax's own
+    transpose of a shared input does)."""
+    extra = tuple(sorted(_varying(cotangent) - _varying(primal)))
+    return (jax.lax.psum(cotangent, extra) if extra else cotangent).astype(primal.dtype)
+
+
+def _varying(x) -> frozenset:
+    """The mesh axes x varies over inside a shard_map that checks them (none elsewhere): the aval's
+    `manual_axis_type.varying` since jax 0.12, its `vma` before."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
 
 
 fp8_ragged_dot.defvjp(_fp8_forward, _fp8_backward)
