@@ -80,12 +80,14 @@ def test_features_that_cannot_work_together_name_both(tmp_path):
     path.write_text(
         "from specs.features_tiny import spec as tiny\n"
         "from axgen.spec import features as F\n"
-        "spec = tiny.replace(features=[*tiny.features[:3], F.quantize(dtype='int8', include='.*')])\n"
+        "spec = tiny.replace(features=[*tiny.features[:3], F.quantize(dtype='fp8', emulate=True, scaling='delayed',"
+        " include='.*')])\n"
     )
     with pytest.raises(SpecError) as error:
         build(path, "cpu-1")
     message = str(error.value)
-    assert "conflict.py:3: quantize(dtype=int8, include=.*) cannot be combined with moe(" in message
+    assert "conflict.py:3: quantize(dtype=fp8, include=.*, scaling=delayed" in message
+    assert "cannot be combined with moe(" in message
     assert "(specs/features_tiny.py:17): include selects moe_layers/moe" in message
 
 

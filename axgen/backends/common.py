@@ -82,6 +82,11 @@ class GroupedMatmul:
 
     kernel: str
     tiles: Callable[[int, int], dict[str, int] | str]
+    # Quantized experts: why the kernel takes no int8 or fp8 operands (they then take XLA's ragged_dot), and whether
+    # the chip's XLA multiplies every row by each expert a device holds (a masked dense dot, as XLA's GPU compiler
+    # rewrites ragged_dot): then the experts stay on the kernel in bf16 unless a device holds one expert.
+    unquantized_why: str = ""
+    ragged_dot_dense: bool = False
 
 
 @dataclass(frozen=True)

@@ -101,30 +101,51 @@ def dot_kind(g: Graph, plan: Plan) -> None:
 def grouped_matmul(g: Graph, plan: Plan) -> None:
     """How each dropless MoE multiplies its experts' groups of rows: the chip's kernel, with tiles for the widths
     one device holds, else XLA's ragged_dot (with the reason, where the chip has a kernel that cannot run them).
+    Quantized experts (`quantize`) take XLA's ragged_dot on int8 or fp8 operands, as no chip's kernel takes them;
+    where the chip's XLA multiplies each row by every expert a device holds (GPU), they stay on the kernel in bf16
+    (`quantize_why`) unless a device holds one expert or the kernel cannot tile the widths anyway.
     """
     if plan.grouped_matmul is None:
         return
     rules, mesh = dict(plan.logical_axis_rules), dict(plan.mesh)
+    kernel = plan.grouped_matmul
     for node in g.nodes(op="moe"):
         if node.attrs.capacity_factor:
             continue
         w_up = node.params["w_up"].type
         mlp_shards = math.prod(mesh[a] for a in rules["mlp"] if a not in rules["expert"])
-        tiles = plan.grouped_matmul.tiles(w_up.size("embed"), w_up.size("mlp") // mlp_shards)
+        tiles = kernel.tiles(w_up.size("embed"), w_up.size("mlp") // mlp_shards)
         if isinstance(tiles, str):
-            g.update(
-                node, grouped_matmul="ragged_dot", grouped_matmul_why=f"{plan.grouped_matmul.kernel}: {tiles}"
-            )
-        else:
-            # megablox's outputs name no mesh axes they vary over, which shard_map's check refuses; unchecked, values
-            # and gradients are the same (JEP 17111).
+            g.update(node, grouped_matmul="ragged_dot", grouped_matmul_why=f"{kernel.kernel}: {tiles}")
+            continue
+        if node.attrs.quantize:
+            experts_here = w_up.size("expert") // math.prod(mesh[a] for a in rules["expert"])
+            if not (kernel.ragged_dot_dense and experts_here > 1):
+                g.update(
+                    node,
+                    grouped_matmul="ragged_dot",
+                    grouped_matmul_why=(
+                        f"{kernel.kernel}: {kernel.unquantized_why}, and these experts are {node.attrs.quantize}"
+                    ),
+                )
+                continue
             g.update(
                 node,
-                grouped_matmul=plan.grouped_matmul.kernel,
-                tiles=tuple(tiles.items()),
-                tiles_source=f"{plan.backend_file}: grouped_matmul_tiles",
-                check_vma=plan.grouped_matmul.kernel != "megablox_gmm",
+                quantize=None,
+                quantize_why=(
+                    f"{kernel.unquantized_why}, and XLA's ragged_dot here multiplies each row by all {experts_here} "
+                    "experts a device holds"
+                ),
             )
+        # megablox's outputs name no mesh axes they vary over, which shard_map's check refuses; unchecked, values
+        # and gradients are the same (JEP 17111).
+        g.update(
+            node,
+            grouped_matmul=kernel.kernel,
+            tiles=tuple(tiles.items()),
+            tiles_source=f"{plan.backend_file}: grouped_matmul_tiles",
+            check_vma=kernel.kernel != "megablox_gmm",
+        )
 
 
 def remat(g: Graph, plan: Plan) -> None:
@@ -270,9 +291,31 @@ def summary(g: Graph, plan: Plan) -> None:
     ]
     matmuls = {n.attrs.grouped_matmul for n in g.nodes(op="moe") if not n.attrs.capacity_factor}
     chosen += [f"experts by {m}" for m in sorted(matmuls) if m != "ragged_dot"]
-    dots = sorted({n.attrs.quantize for n in g.nodes() if getattr(n.attrs, "quantize", None)})
-    chosen += [f"{'/'.join(dots)} dots"] if dots else []
+    chosen += _quantized(g)
     g.attrs["lowering_summary"] = " · ".join(chosen) + f" ({plan.backend_file})"
+
+
+def _quantized(g: Graph) -> list[str]:
+    """The header's words for which products are quantized dots: the dtypes, then each region's quantized nodes
+    (the routed experts by their `moe` node), and whether the routed experts are among them, with why not where
+    the spec asked and the target declined."""
+    quantized = [n for n in g.nodes() if getattr(n.attrs, "quantize", None)]
+    experts = list(g.nodes(op="moe"))
+    declined = sorted({n.attrs.quantize_why for n in experts if n.attrs.quantize_why})
+    if not quantized and not declined:
+        return []
+    by_region: dict[str, list[str]] = {}
+    for node in quantized:
+        by_region.setdefault(node.region, []).append(node.name)
+    names = " ".join(
+        f"{region}/{{{','.join(n)}}}" if len(n) > 1 else f"{region}/{n[0]}" for region, n in by_region.items()
+    )
+    if any(n.attrs.quantize for n in experts):
+        names += "; routed experts quantized"
+    elif experts:
+        names += f"; routed experts unquantized{''.join(f' ({why})' for why in declined)}"
+    dtypes = sorted({n.attrs.quantize for n in quantized})
+    return [f"{'/'.join(dtypes)} dots: {names}" if quantized else f"no quantized dots{names}"]
 
 
 def _one(values: set, what: str):

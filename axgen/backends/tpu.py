@@ -151,7 +151,14 @@ def family(generation: str) -> Family:
         remat=REMAT[generation],
         topology=functools.partial(topology, generation),
         topology_wrap=topology_wrap,
-        grouped_matmul=GroupedMatmul("megablox_gmm", grouped_matmul_tiles),
+        # megablox.gmm refuses int8 and fp8 operands (common.assert_is_supported_dtype); XLA's TPU ragged_dot is a
+        # grouped matmul kernel of its own that takes int8 with int32 accumulation (compiled deviceless for
+        # tpu-v5p-8; v5p and v5e have no fp8 units, so it converts fp8 operands to bf16 first).
+        grouped_matmul=GroupedMatmul(
+            "megablox_gmm",
+            grouped_matmul_tiles,
+            unquantized_why="megablox.gmm takes bfloat16 or float32 operands only",
+        ),
     )
 
 

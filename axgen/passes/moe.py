@@ -45,6 +45,11 @@ class MoEAttrs(Attrs):
     # lowering sets `checkpointed`, and each product's output carries its role as its checkpoint name.
     roles: tuple[str, str] = ("mlp_in", "mlp_out")
     checkpointed: bool = False
+    # The routed experts' products as quantized dots (passes/quantize.py: int8, fp8, `target` until lowering picks
+    # the target's), by runtime.int8_ragged_dot / fp8_ragged_dot. Where the target keeps them in bf16 instead, the
+    # lowering clears `quantize` and says why in `quantize_why`.
+    quantize: str | None = None
+    quantize_why: str | None = None
 
 
 def _moe(ins, attrs, params):

@@ -371,7 +371,9 @@ class Quantize(Feature):
     names `main/logits`). `dtype=None` takes the target's preferred dtype: int8 on TPU, fp8 on H100 and Trainium.
     A target without the dtype is an error unless `emulate=True`, which runs the same arithmetic in wider types.
     fp8 scales each tensor by its own max (`scaling="current"`) or by the largest max of the last `amax_history`
-    steps (`"delayed"`, as Transformer Engine does), kept beside the weights."""
+    steps (`"delayed"`, as Transformer Engine does), kept beside the weights. A dropless MoE's routed experts are
+    quantized only when `include` names their `moe` node (`moe_layers/moe`), with current scaling
+    (docs/quantized_experts.md)."""
 
     pass_name: typing.ClassVar[str] = "quantize"
     dtype: str | None = None

@@ -2,7 +2,7 @@
 # Regenerate: axgen build specs/features_tiny.py --target gpu-h100-8
 # Mesh: data=1 fsdp=8 expert=1 model=1 on 8 x NVIDIA H100 SXM (backends/gpu.py: mesh rule 'gpu-h100-[1-8]': fully sharded data parallel over one host's NVLink)
 # Passes: moe(num_experts=4, top_k=2, every=2, aux_loss_weight=0.01, router_z_loss_weight=0.001, shared_hidden_dim=128, shared_gate=True) · qkv_bias() · qk_norm(eps=1e-06) · quantize() · remat(policy=save_dots) · sliding_window(window=64) · gemma_block() · rope(theta=10000.0) · softcap(attention=50.0, final=30.0)
-# Lowering: attention xla_softcap · experts by mosaic_gpu · fp8 dots (backends/gpu.py)
+# Lowering: attention xla_softcap · experts by mosaic_gpu · fp8 dots: layers/{q,k,v,attn_out,gate,up,mlp_out} moe_layers/{q,k,v,attn_out,shared_up,shared_gate,shared_expert_gate,shared_down}; routed experts unquantized (backends/gpu.py)
 # Loss: runtime.lm_head_cross_entropy, the output head fused with the cross-entropy 128 positions at a time, logits soft-capped; no whole logits in a training step (backends/lowering.py)
 """features-tiny training program for gpu-h100-8.
 

@@ -2,7 +2,7 @@
 # Regenerate: axgen build specs/features_tiny.py --target tpu-v5e-8
 # Mesh: data=1 fsdp=8 expert=1 model=1 on 8 x TPU v5e (backends/tpu.py: mesh rule 'tpu-v.*': fully sharded data parallel over every chip of the slice)
 # Passes: moe(num_experts=4, top_k=2, every=2, aux_loss_weight=0.01, router_z_loss_weight=0.001, shared_hidden_dim=128, shared_gate=True) · qkv_bias() · qk_norm(eps=1e-06) · quantize() · remat(policy=save_dots) · sliding_window(window=64) · gemma_block() · rope(theta=10000.0) · softcap(attention=50.0, final=30.0)
-# Lowering: attention splash (blocks of 128) · experts by megablox_gmm · int8 dots (backends/tpu.py)
+# Lowering: attention splash (blocks of 128) · experts by megablox_gmm · int8 dots: layers/{q,k,v,attn_out,gate,up,mlp_out} moe_layers/{q,k,v,attn_out,shared_up,shared_gate,shared_expert_gate,shared_down}; routed experts unquantized (backends/tpu.py)
 # Loss: runtime.lm_head_cross_entropy, the output head fused with the cross-entropy 128 positions at a time, logits soft-capped; no whole logits in a training step (backends/lowering.py)
 """features-tiny training program for tpu-v5e-8.
 
