@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from axgen.build import build
+from axgen.cli import main as axgen
 from axgen.files import write_atomically
 from axgen.interop import hf_to_params, load_program
 from axgen.ir import cost
@@ -234,3 +235,66 @@ def test_gemma_block_makes_the_routed_experts_geglu_like_the_dense_mlp():
     gate, up = jax.random.normal(jax.random.key(0), (2, 8, 16))
     expected = jax.nn.gelu(gate, approximate=True) * up
     np.testing.assert_allclose(program.expert_mlp(None, gate, up), expected, rtol=1e-6)
+
+
+def expert_parallel(tmp_path, dispatch, target="cpu-8"):
+    """moe_tiny on a mesh with its 4 experts one per device (data=2, expert=4), token copies moved by `dispatch`."""
+    spec = tmp_path / "specs" / f"moe_{dispatch}.py"
+    spec.parent.mkdir(exist_ok=True)
+    spec.write_text(
+        "from axgen.spec import MeshRule\nfrom specs.moe_tiny import spec as moe\n"
+        f"rule = MeshRule('.*', {{'data': 2, 'expert': 4}}, why='experts one per device', moe_dispatch={dispatch!r})\n"
+        "spec = moe.replace(mesh_rules=[rule])\n"
+    )
+    return spec
+
+
+def test_lowering_picks_the_all_to_all_collective_the_target_compiles(tmp_path, capsys):
+    """XLA:CPU has no ragged-all-to-all, so CPU programs send fixed blocks; TPU and GPU programs the ragged one.
+    The choice is an attr `axgen graph --after lowering` shows, and the all-gather path stays the default."""
+    spec = expert_parallel(tmp_path, "all_to_all")
+    for target, collective in [
+        ("cpu-8", "all_to_all"),
+        ("tpu-v5e-8", "ragged_all_to_all"),
+        ("gpu-h100-8", "ragged_all_to_all"),
+    ]:
+        source = build(spec, target).source
+        assert f'dispatch="{collective}"' in source and f"jax.lax.{collective}(" in source, target
+        assert f"expert tokens by {collective}" in source
+    assert axgen(["graph", str(spec), "--target", "tpu-v5e-8", "--after", "lowering"]) == 0
+    assert "dispatch=ragged_all_to_all" in capsys.readouterr().out.replace("'", "").replace('"', "")
+    default = build(MOE_TINY, "cpu-8").source
+    assert "dispatch=" not in default and "psum_scatter" in default
+
+
+def test_all_to_all_experts_equal_the_all_gather_path_in_value_and_gradient(tmp_path):
+    """expert=4 on the CPU mesh: the all_to_all path (a block per destination with room for every local copy) gives
+    the all-gather path's loss, auxiliary losses and every gradient (x's through the embedding, the router's and
+    the experts' weights)."""
+    programs = {}
+    for dispatch in ("all_gather", "all_to_all"):
+        out = tmp_path / f"{dispatch}.py"
+        write_atomically(out, build(expert_parallel(tmp_path, dispatch), "cpu-8").source)
+        programs[dispatch] = load_program(out)
+    params = programs["all_gather"].init_params(jax.random.key(1))
+    tokens = jax.random.randint(jax.random.key(2), (8, 17), 0, 256)
+    axis_types = (jax.sharding.AxisType.Auto,) * 4
+    mesh = jax.make_mesh((2, 1, 4, 1), ("data", "fsdp", "expert", "model"), axis_types=axis_types)
+    results = {}
+    with jax.set_mesh(mesh):
+        for dispatch, program in programs.items():
+            placed = jax.device_put(params, Program.from_module(program).param_shardings(mesh))
+            results[dispatch] = jax.jit(jax.value_and_grad(program.loss_fn, has_aux=True))(placed, tokens)
+    (loss, metrics), grads = results["all_gather"]
+    (a2a_loss, a2a_metrics), a2a_grads = results["all_to_all"]
+    np.testing.assert_allclose(a2a_loss, loss, rtol=1e-6)
+    for name in ("load_balance_loss", "router_z_loss"):
+        np.testing.assert_allclose(a2a_metrics[name], metrics[name], rtol=1e-6, err_msg=name)
+    assert {"router", "w_up", "w_gate", "w_down"} <= set(grads["moe_layers"])
+
+    def check(path, grad, expected):
+        assert float(jnp.abs(expected).max()) > 0, jax.tree_util.keystr(path)
+        atol = 1e-5 * float(jnp.abs(expected).max())
+        np.testing.assert_allclose(grad, expected, atol=atol, err_msg=jax.tree_util.keystr(path))
+
+    jax.tree_util.tree_map_with_path(check, a2a_grads, grads)

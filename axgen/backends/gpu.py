@@ -122,6 +122,9 @@ FAMILY = Family(
     quantize_dtype="fp8",
     topology=topology,
     grouped_matmul=GroupedMatmul("mosaic_gpu", grouped_matmul_tiles),
+    # XLA lowers jax.lax.ragged_all_to_all here: each token copy travels to its expert's device alone, with no
+    # padding to a per-destination capacity.
+    moe_all_to_all="ragged_all_to_all",
     # jax's allocator takes 75% of a GPU unless told otherwise: a Mixtral-width program that fit 74 GiB ran out of
     # memory at 60 (PLATFORM.md). 95% leaves 4 GiB to the CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers.
     memory_fraction=0.95,

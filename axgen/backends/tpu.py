@@ -152,6 +152,9 @@ def family(generation: str) -> Family:
         topology=functools.partial(topology, generation),
         topology_wrap=topology_wrap,
         grouped_matmul=GroupedMatmul("megablox_gmm", grouped_matmul_tiles),
+        # XLA lowers jax.lax.ragged_all_to_all here: each token copy travels to its expert's device alone, with no
+        # padding to a per-destination capacity.
+        moe_all_to_all="ragged_all_to_all",
     )
 
 
