@@ -74,6 +74,10 @@ class Report:
     memory_bytes: float | None = None
     host_transfer_bytes: float | None = None
     collective_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
+    cross_slice: dict[str, float] = dataclasses.field(
+        default_factory=dict
+    )  # transfers per step over DCN, by kind
+    cross_slice_bytes: float | None = None
     collectives: dict[str, int] = dataclasses.field(default_factory=dict)
     kernels: dict[str, int] = dataclasses.field(default_factory=dict)  # custom calls: Pallas, cuDNN, ...
     out_of_memory: str | None = None  # the compiler's own message when it refused
@@ -115,6 +119,11 @@ class Report:
         lines.append(
             f"  FLOPs per device per step: {self.flops_per_device:.3g} analytic (6 x weights + attention){xla}"
         )
+        if self.cross_slice:
+            transfers = ", ".join(f"{kind.lower()} {count:g}" for kind, count in self.cross_slice.items())
+            lines.append(
+                f"  between slices (DCN), per step: {transfers}; {self.cross_slice_bytes / 2**20:.1f} MiB sent"
+            )
         for what, counts in (("collectives", self.collectives), ("custom-call kernels", self.kernels)):
             found = ", ".join(f"{name} {count}" for name, count in counts.items()) or "none"
             lines.append(f"  {what} in the optimized HLO: {found}")
@@ -311,6 +320,8 @@ def _hlo_cost_fields(hlo: str) -> dict:
         memory_bytes=cost.memory_bytes,
         host_transfer_bytes=cost.host_bytes,
         collective_bytes=cost.collective_bytes,
+        cross_slice=cost.cross_slice,
+        cross_slice_bytes=cost.cross_slice_bytes,
     )
 
 

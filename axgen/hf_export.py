@@ -8,6 +8,7 @@ The config is the spec's, written in the keys of its family's transformers confi
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import struct
 import sys
@@ -18,7 +19,7 @@ import ml_dtypes
 import numpy as np
 
 from axgen.files import check_replaceable, staging_dir
-from axgen.hf_families import ARCHITECTURES, expert_layout, family, hub_tensors
+from axgen.hf_families import ARCHITECTURES, expert_layout, family, family_names, hub_tensors
 from axgen.hf_weights import DTYPES
 from axgen.interop import CheckpointError, host_jax, iter_hf_tensors
 from axgen.runtime.checkpoints import host_checksum
@@ -36,10 +37,43 @@ TOKENIZER_FILES = (
 )
 
 
+# The families that state a RoPE on part of each head in adjacent pairs, and routed experts' weights scaled.
+LAYOUT_FAMILIES = {"deepseek_v2"}
+
+
+def _refuse_deepseek_routing(moe) -> None:
+    """DeepSeek's routing (F.moe scoring, correction bias, groups, leading dense layers) has no exported family yet:
+    a Mixtral or Qwen config would state another model."""
+    if moe is None:
+        return
+    fields = {
+        "scoring": moe.scoring != "softmax",
+        "balance_bias_rate": moe.balance_bias_rate is not None,
+        "n_group": moe.n_group is not None,
+        "first_dense_layers": moe.first_dense_layers > 0,
+    }
+    for name, set_here in fields.items():
+        if set_here:
+            raise CheckpointError(
+                f"{moe.origin}: MoE.{name}={getattr(moe, name)!r}: no family axgen exports routes as DeepSeek does"
+            )
+
+
 def hf_config(spec: Model, dtype: str) -> dict:
     """config.json of the spec, in its family's transformers 4.x keys (which transformers 5 reads too)."""
     name = family(spec)
     attention, rope = spec.decoder.attention, spec.feature("rope")
+    moe = spec.feature("moe")
+    if moe is not None and moe.routed_scale is not None and name not in LAYOUT_FAMILIES:
+        raise CheckpointError(
+            f"{moe.origin}: MoE.routed_scale={moe.routed_scale}: no family axgen exports scales its routed experts"
+        )
+    _refuse_deepseek_routing(moe)
+    if (rope.rotary_dim is not None or rope.interleaved) and name not in LAYOUT_FAMILIES:
+        raise CheckpointError(
+            f"{rope.origin}: RoPE.rotary_dim={rope.rotary_dim}, interleaved={rope.interleaved}: "
+            "no family axgen exports rotates part of a head or adjacent pairs"
+        )
     config = {
         "architectures": [ARCHITECTURES[name]],
         "model_type": name,
@@ -260,6 +294,64 @@ def _gpt_oss(spec: Model) -> dict:
     }
 
 
+def _deepseek_v2(spec: Model) -> dict:
+    """DeepSeek-V2: MLA's dims, DeepSeek-MoE in every layer (greedy softmax top-k, not renormalised, scaled by
+    routed_scaling_factor, a shared expert of n_shared_experts experts' width), and the softmax scale as transformers
+    derives it: qk_head_dim**-0.5 times YaRN's mscale(factor, mscale_all_dim)**2."""
+    mla, moe, rope = spec.feature("mla"), spec.feature("moe"), spec.feature("rope")
+    width = spec.decoder.mlp.hidden_dim
+    if moe is None or moe.every != 1 or moe.capacity_factor is not None:
+        raise CheckpointError(f"{spec.origin}: DeepSeek-V2 in HF routes experts dropless in every layer")
+    if moe.renormalize or moe.shared_gate or not moe.shared_hidden_dim or moe.shared_hidden_dim % width:
+        raise CheckpointError(
+            f"{moe.origin}: DeepSeek-V2 in HF keeps the top-k weights as they are and shares an ungated expert "
+            f"of a whole number of experts' width ({width})"
+        )
+    if mla.eps != 1e-6:
+        raise CheckpointError(
+            f"{mla.origin}: MLA.eps={mla.eps!r}: DeepSeek-V2 in HF norms its latents with 1e-6"
+        )
+    qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    scaling = _rope_scaling(rope.scaling)
+    scale = spec.decoder.attention.scale
+    if scale is not None and scale != qk**-0.5:
+        scaling = (scaling or {}) | {"mscale_all_dim": _mscale_all_dim(spec, scale, qk)}
+    return {
+        "head_dim": mla.qk_rope_head_dim,
+        "rope_scaling": scaling,
+        "q_lora_rank": mla.q_lora_rank,
+        "kv_lora_rank": mla.kv_lora_rank,
+        "qk_nope_head_dim": mla.qk_nope_head_dim,
+        "qk_rope_head_dim": mla.qk_rope_head_dim,
+        "v_head_dim": mla.v_head_dim,
+        "n_routed_experts": moe.num_experts,
+        "num_experts_per_tok": moe.top_k,
+        "n_shared_experts": moe.shared_hidden_dim // width,
+        "moe_intermediate_size": width,
+        "routed_scaling_factor": moe.routed_scale or 1.0,
+        "topk_method": "greedy",
+        "norm_topk_prob": False,
+        "first_k_dense_replace": 0,
+        "aux_loss_alpha": moe.aux_loss_weight or 0.0,
+    }
+
+
+def _mscale_all_dim(spec: Model, scale: float, qk: int) -> float:
+    """The mscale_all_dim whose YaRN temperature squared takes qk**-0.5 to `scale`, as transformers' DeepSeek
+    scales its softmax; a scale no such value gives back exactly is refused."""
+    attention, scaling = spec.decoder.attention, spec.feature("rope").scaling
+    if scaling is not None and scaling.rule == "yarn" and scaling.factor > 1:
+        log = math.log(scaling.factor)
+        value = round(((scale * qk**0.5) ** 0.5 - 1) / (0.1 * log), 12)
+        mscale = 0.1 * value * log + 1.0
+        if value > 0 and qk**-0.5 * mscale * mscale == scale:
+            return value
+    raise CheckpointError(
+        f"{attention.origin}: Attention.scale={scale!r}: DeepSeek-V2 in HF scales attention by qk_head_dim**-0.5, "
+        "times YaRN's mscale_all_dim temperature squared, and no mscale_all_dim gives this scale"
+    )
+
+
 FAMILY_KEYS = {
     "llama": lambda spec: {},
     "mistral": _mistral,
@@ -271,6 +363,7 @@ FAMILY_KEYS = {
     "gemma2": _gemma2,
     "gemma3_text": _gemma3_text,
     "gpt_oss": _gpt_oss,
+    "deepseek_v2": _deepseek_v2,
 }
 
 
@@ -358,6 +451,7 @@ def export_hf(
     layout = expert_layout(spec)
     if layout is not None and not fused_experts:
         tensors = hub_tensors(tensors, layout)
+    tensors = family_names(tensors, spec)
     staging = staging_dir(out)
     try:
         try:

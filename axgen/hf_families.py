@@ -32,6 +32,7 @@ ARCHITECTURES = {
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
     "gpt_oss": "GptOssForCausalLM",
+    "deepseek_v2": "DeepseekV2ForCausalLM",
 }
 # The features each family's HF model computes; remat and quantize shape training only, not the weights' meaning.
 TRAINING_ONLY = {"remat", "quantize"}
@@ -54,9 +55,11 @@ FAMILY_FEATURES = {
         "moe",
         "gpt_oss_experts",
     },
+    "deepseek_v2": {"rope", "mla", "moe"},
 }
-# The families whose HF attention takes a softmax scale other than head_dim**-0.5 (`query_pre_attn_scalar`).
-SCALED_ATTENTION = {"gemma2", "gemma3_text"}
+# The families whose HF attention takes a softmax scale other than head_dim**-0.5 (`query_pre_attn_scalar`;
+# DeepSeek's YaRN mscale_all_dim).
+SCALED_ATTENTION = {"gemma2", "gemma3_text", "deepseek_v2"}
 # The families whose HF model gives windowed layers a RoPE theta of their own (`RoPE.local_theta`).
 LOCAL_THETA = {"gemma3_text"}
 
@@ -67,6 +70,8 @@ def family(spec: Model) -> str:
     moe = spec.feature("moe")
     if "gpt_oss_experts" in features:
         name = "gpt_oss"
+    elif "mla" in features:
+        name = "deepseek_v2"
     elif "gemma_block" in features:
         name = "gemma3_text" if "qk_norm" in features else "gemma2"
     elif moe is not None:
@@ -97,6 +102,8 @@ def family(spec: Model) -> str:
 
 
 def _moe_family(spec: Model) -> str:
+    if spec.feature("mla"):
+        return "deepseek_v2"
     if spec.feature("qk_norm"):
         return "qwen3_moe"
     return "qwen2_moe" if spec.feature("moe").shared_hidden_dim else "mixtral"
@@ -123,7 +130,38 @@ EXPERT_LAYOUTS = {
     "mixtral": ExpertLayout("block_sparse_moe", gate="w1", up="w3", down="w2"),
     "qwen2_moe": ExpertLayout("mlp", gate="gate_proj", up="up_proj", down="down_proj"),
     "qwen3_moe": ExpertLayout("mlp", gate="gate_proj", up="up_proj", down="down_proj"),
+    "deepseek_v2": ExpertLayout("mlp", gate="gate_proj", up="up_proj", down="down_proj"),
 }
+# Families whose shared expert is named otherwise than the params' `mlp.shared_expert.` (Qwen2-MoE's): DeepSeek's
+# n_shared_experts are one module, `mlp.shared_experts.`, in both of its expert layouts.
+SHARED_EXPERT_NAMES = {"deepseek_v2": ".mlp.shared_experts."}
+_SHARED_EXPERT = ".mlp.shared_expert."
+
+
+def family_names(tensors: Iterator[tuple[str, np.ndarray]], spec: Model) -> Iterator[tuple[str, np.ndarray]]:
+    """The params' HF tensors under the names the spec's family gives them (its shared expert's)."""
+    theirs = SHARED_EXPERT_NAMES.get(_moe_family(spec)) if spec.feature("moe") else None
+    for name, tensor in tensors:
+        yield (name.replace(_SHARED_EXPERT, theirs) if theirs else name), tensor
+
+
+class SharedExpertNames(Mapping):
+    """A checkpoint of a family in SHARED_EXPERT_NAMES under the params' names; every other tensor as it is."""
+
+    def __init__(self, checkpoint: Mapping, theirs: str):
+        self.checkpoint = checkpoint
+        self.names = {name.replace(theirs, _SHARED_EXPERT): name for name in checkpoint}
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self.checkpoint[self.names[name]]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
 _FUSED = re.compile(r"(model\.layers\.\d+)\.mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)")
 
 
@@ -236,6 +274,9 @@ def fused_view(checkpoint: Mapping, spec: Model, shapes: dict, source: str) -> M
     layout = expert_layout(spec)
     if layout is None:
         return checkpoint
+    theirs = SHARED_EXPERT_NAMES.get(_moe_family(spec))
+    if theirs is not None:
+        checkpoint = SharedExpertNames(checkpoint, theirs)
     per_expert_name = re.compile(rf"model\.layers\.\d+\.{re.escape(layout.module)}\.experts\.\d+\.")
     fused = min((name for name in checkpoint if _FUSED.fullmatch(name) and ".experts." in name), default=None)
     per_expert = min((name for name in checkpoint if per_expert_name.match(name)), default=None)

@@ -163,6 +163,34 @@ DEFAULTS: dict[str, dict] = {
     },
     "gemma3": {},  # an image-text config: its text_config is read as a gemma3_text config
 }
+# transformers 5.23's DeepseekV2Config (head_dim and qk_head_dim it derives from the qk dims, and saves).
+DEFAULTS["deepseek_v2"] = _LLAMA | {
+    "vocab_size": 102_400,
+    "hidden_size": 4096,
+    "intermediate_size": 11_008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "first_k_dense_replace": 0,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "n_group": None,
+    "topk_group": None,
+    "n_routed_experts": 64,
+    "n_shared_experts": 2,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "qk_head_dim": None,
+    "routed_scaling_factor": 1.0,
+    "topk_method": "greedy",
+    "norm_topk_prob": False,
+    "num_experts_per_tok": None,
+    "moe_intermediate_size": 1407,
+    # DeepSeek's own configs' balance-loss weight; transformers' model computes no balance loss.
+    "aux_loss_alpha": 0.0,
+    "scoring_func": "softmax",
+    "moe_layer_freq": 1,
+}
 
 
 class HFImportError(ValueError):
@@ -234,6 +262,23 @@ KEY_KINDS = {
     **dict.fromkeys(("attention_bias", "mlp_bias", "use_bidirectional_attention"), "boolean or null"),
 }
 
+KEY_KINDS |= dict.fromkeys(
+    (
+        "kv_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "n_routed_experts",
+        "n_shared_experts",
+        "moe_intermediate_size",
+    ),
+    "positive int",
+) | {
+    "q_lora_rank": "positive int or null",
+    "qk_head_dim": "positive int or null",
+    "routed_scaling_factor": "positive number",
+    "aux_loss_alpha": "number >= 0",
+}
 KEY_KINDS |= {
     "rope_local_base_freq": "positive number",
     "sliding_window_pattern": "positive int",
@@ -812,6 +857,81 @@ def _mxfp4_storage(c: Config) -> None:
         )
 
 
+def deepseek_v2(c: Config) -> SpecSource:
+    """DeepSeek-V2: multi-head latent attention (F.mla) whose RoPE turns the qk_rope_head_dim channels of each
+    head in adjacent pairs, its softmax scale qk_head_dim**-0.5 times YaRN's mscale(factor, mscale_all_dim)**2
+    where the RoPE states mscale_all_dim (transformers' yarn_apply_mscale); and DeepSeek-MoE in every layer:
+    softmax over the routed experts, the greedy top-k kept as they are (transformers' deepseek_v2 renormalises
+    nothing) and scaled by routed_scaling_factor, plus n_shared_experts experts' width of shared expert, ungated.
+    """
+    _activation(c, "hidden_act", ("silu",))
+    c.expect("attention_bias", (False, None), "puts biases on q_a, kv_a and o, which axgen's MLA does not")
+    c.expect(
+        "topk_method",
+        ("greedy",),
+        "selects experts within groups, which axgen's deepseek_v2 import does not map (it maps greedy)",
+    )
+    c.read |= {"n_group", "topk_group"}  # read by group_limited_greedy only
+    # DeepSeek's own configs (its remote code's keys) say how they score and place experts and how their code
+    # ran: transformers' model scores by softmax in every layer after the dense ones, whatever they say, so other
+    # values are refused; ep_size is their inference's expert parallelism, seq_aux their balance loss's form
+    # (axgen's is Switch's, weighted by aux_loss_alpha), auto_map their code's classes.
+    c.expect(
+        "scoring_func", ("softmax",), "scores experts otherwise than transformers' deepseek_v2 (softmax)"
+    )
+    c.expect(
+        "moe_layer_freq", (1,), "puts experts in some layers only, which transformers' deepseek_v2 does not"
+    )
+    c.read |= {"ep_size", "seq_aux", "auto_map"}
+    c.expect(
+        "norm_topk_prob",
+        (False,),
+        "asks for renormalised top-k weights, which transformers' deepseek_v2 does not compute; axgen will not guess",
+    )
+    dense = c["first_k_dense_replace"]
+    if dense != 0:
+        raise HFImportError(
+            f"{c.path}: first_k_dense_replace={_shown(dense)} keeps the first layers dense "
+            f"(intermediate_size={_shown(c['intermediate_size'])}), which axgen cannot build yet beside the MoE layers"
+        )
+    c.read.add("intermediate_size")  # the dense layers' width: there are none
+    heads = c["num_attention_heads"]
+    nope, rope, v = c["qk_nope_head_dim"], c["qk_rope_head_dim"], c["v_head_dim"]
+    c.expect(
+        "num_key_value_heads",
+        (None, heads),
+        f"differs from num_attention_heads={heads}; MLA has a k, v per head",
+    )
+    c.expect(
+        "head_dim",
+        (None, rope),
+        f"is not qk_rope_head_dim={rope}, which transformers' deepseek_v2 sets it to",
+    )
+    c.expect("qk_head_dim", (None, nope + rope), f"is not qk_nope_head_dim + qk_rope_head_dim={nope + rope}")
+    source = _decoder(c)
+    scale = (nope + rope) ** -0.5
+    parameters = dict(c.values.get("rope_parameters") or c.values.get("rope_scaling") or {})
+    kind = parameters.get("rope_type", parameters.get("type", "default"))
+    if kind != "default" and parameters.get("mscale_all_dim"):
+        mscale = _yarn_mscale(parameters["factor"], parameters["mscale_all_dim"])
+        scale = scale * mscale * mscale
+    source.attention = (
+        f"Attention(num_heads={heads}, num_kv_heads={heads}, head_dim={nope + rope}, scale={scale!r})"
+    )
+    experts, shared = c["n_routed_experts"], c["n_shared_experts"] * c["moe_intermediate_size"]
+    source.mlp = f'MLP(hidden_dim={_number(c["moe_intermediate_size"])}, activation="swiglu")'
+    source.features = [
+        _rope(c)[:-1] + f", rotary_dim={rope}, interleaved=True)",
+        # transformers' DeepSeek norms the latents with DeepseekV2RMSNorm's default eps, not rms_norm_eps.
+        f'F.mla(q_lora_rank={c["q_lora_rank"]}, kv_lora_rank={c["kv_lora_rank"]}, qk_nope_head_dim={nope}, '
+        f"qk_rope_head_dim={rope}, v_head_dim={v}, eps=1e-06)",
+        f'F.moe(num_experts={experts}, top_k={c["num_experts_per_tok"]}, renormalize=False, '
+        f'routed_scale={float(c["routed_scaling_factor"])!r}, shared_hidden_dim={_number(shared)}, '
+        f'aux_loss_weight={float(c["aux_loss_alpha"])!r}, router_z_loss_weight=0.0)',
+    ]
+    return source
+
+
 FAMILIES: dict[str, Callable[[Config], SpecSource]] = {
     "llama": llama,
     "mistral": mistral,
@@ -824,6 +944,7 @@ FAMILIES: dict[str, Callable[[Config], SpecSource]] = {
     "gemma3_text": gemma3_text,
     "gemma3": gemma3,
     "gpt_oss": gpt_oss,
+    "deepseek_v2": deepseek_v2,
 }
 
 

@@ -38,6 +38,7 @@ _ARRAY = re.compile(r"\b([a-z]\w*)\[([\d,]*)\]")
 _CALLED = re.compile(
     r"\b(calls|body|condition|to_apply|branch_computations)=\{?(%[^,}\s]+(?:, %[^,}\s]+)*)\}?"
 )
+_CROSS_SLICE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
 _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _GEMM = re.compile(r'custom_call_target="__cublas\$(?:lt\$matmul|gemm)[^"]*"')
 _DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
@@ -66,6 +67,10 @@ class HloCost:
     memory_bytes: float  # read and written by top-level instructions
     host_bytes: float  # written to or read from pinned host memory (offloaded activations)
     collective_bytes: dict[str, float]  # kind -> bytes of the results (all-reduce: twice, as a ring sends it)
+    # Between TPU slices (multi-slice programs): transfers per step by kind, and the bytes they send. libtpu
+    # compiles each slice's program apart and writes these as host transfers to its DCN runtime ("megascale").
+    cross_slice: dict[str, float]
+    cross_slice_bytes: float
 
 
 def hlo_cost(text: str) -> HloCost:
@@ -75,8 +80,9 @@ def hlo_cost(text: str) -> HloCost:
     fused = {
         c for body in computations.values() for i in body if i.op.startswith("fusion") for c in _callees(i)
     }
-    flops = memory = host = 0.0
+    flops = memory = host = cross_slice_bytes = 0.0
     collectives: dict[str, float] = defaultdict(float)
+    cross_slice: dict[str, float] = defaultdict(float)
     for name, body in computations.items():
         for instruction in body:
             times = runs.get(name, 0)
@@ -87,6 +93,10 @@ def hlo_cost(text: str) -> HloCost:
             elif instruction.op == "custom-call" and _GEMM.search(instruction.attributes):  # cuBLAS on GPU
                 flops += times * _gemm_flops(instruction, shapes)
             kind = _collective(instruction.op)
+            between_slices = _CROSS_SLICE.search(instruction.attributes) if instruction.op == "send" else None
+            if between_slices:
+                cross_slice[between_slices[1]] += times
+                cross_slice_bytes += times * _largest(instruction)
             if kind:
                 collectives[kind] += times * _collective_bytes(kind, instruction, shapes)
             elif name not in fused and instruction.op not in _FREE and not instruction.op.endswith("-done"):
@@ -95,7 +105,14 @@ def hlo_cost(text: str) -> HloCost:
                 to_host = any(_HOST in i.shape for i in (instruction, *operands))
                 host += times * moved if to_host else 0
                 memory += 0 if to_host else times * moved
-    return HloCost(flops, memory, host, dict(sorted(collectives.items())))
+    return HloCost(
+        flops,
+        memory,
+        host,
+        dict(sorted(collectives.items())),
+        dict(sorted(cross_slice.items())),
+        cross_slice_bytes,
+    )
 
 
 def _computations(text: str) -> tuple[dict[str, list[Instruction]], str]:

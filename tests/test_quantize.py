@@ -177,3 +177,18 @@ def test_router_and_output_head_only_when_asked(tmp_path):
 def test_a_selection_that_matches_nothing_is_an_error(tmp_path):
     with pytest.raises(PassError, match=r"quantize\(dtype=int8, include=layers/nothing\) selects none"):
         build(variant(tmp_path, 'dtype="int8", include="layers/nothing"'), "cpu-1")
+
+
+def test_a_quantized_output_head_keeps_its_logits_for_the_loss(tmp_path):
+    """The fused loss multiplies by the head's weight itself, so a quantized head leaves the loss its logits; the
+    default head fuses (the lowering says which, and the header names the loss)."""
+    quantized = build(variant(tmp_path, 'dtype="int8", include="main/logits"'), "cpu-1")
+    (head,) = quantized.graph.nodes(op="lm_head")
+    assert head.attrs.loss == "logits"
+    assert "# Loss: runtime.cross_entropy on the whole logits (a quantized head;" in quantized.source
+    assert "losses = runtime.cross_entropy(logits, tokens[:, 1:])" in quantized.source
+    assert "hidden_with_aux" not in quantized.source
+    default = build(variant(tmp_path, 'dtype="int8"'), "cpu-1")
+    (head,) = default.graph.nodes(op="lm_head")
+    assert (head.attrs.loss, head.attrs.loss_chunk) == ("fused", 128)
+    assert "losses = runtime.lm_head_cross_entropy(" in default.source

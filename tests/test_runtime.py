@@ -1,6 +1,8 @@
 """axgen.runtime is a library the programs call: it stands apart from the compiler, and refuses a program it
 cannot run. (That a changed runtime changes no program is tests/test_wheel.py's, on an installed copy.)"""
 
+import contextlib
+
 import pytest
 from tests.conftest import ROOT, python_result
 
@@ -124,3 +126,160 @@ def test_the_cross_entropy_equals_optax_in_value_and_gradient_and_keeps_one_logi
         return step.lower(x, w, tokens).compile().memory_analysis().temp_size_in_bytes
 
     assert temporaries(optax_form) - temporaries(cross_entropy) >= 128 * 2**20
+
+
+def test_replicas_sum_their_own_passes_and_the_step_equals_one_pass_over_the_batch(tmp_path):
+    """On a mesh of 4 data replicas x 2 fsdp shards, 2 passes a step: each replica accumulates its own passes'
+    gradients (runtime.gradients' shard_map over `data`) and the replicas meet once. Loss, metrics and every
+    gradient equal value_and_grad of the loss over the whole batch in one pass on one device."""
+    import jax
+    import numpy as np
+
+    from axgen.build import build
+    from axgen.files import write_atomically
+    from axgen.interop import load_program
+    from axgen.runtime import gradients
+    from axgen.runtime.program import Program
+    from axgen.runtime.sharding import replica_axes
+
+    spec = tmp_path / "replicas.py"
+    spec.write_text(
+        "from specs.llama_tiny import spec as tiny\nfrom axgen.spec import MeshRule\n"
+        "spec = tiny.replace(mesh_rules=[MeshRule('cpu-8', {'data': 4, 'fsdp': 2}, microbatch=1, "
+        "why='two passes of one sequence per device')])\n"
+    )
+    write_atomically(tmp_path / "program.py", build(spec, "cpu-8").source)
+    module = load_program(tmp_path / "program.py")
+    program = Program.from_module(module)
+    assert program.accumulation_steps(16) == 2
+    assert replica_axes(module.LOGICAL_AXIS_RULES, dict(program.mesh_shape)) == ("data",)
+    params = jax.jit(program.init_params)(jax.random.key(0))
+    tokens = np.random.default_rng(0).integers(1, 256, (16, 129)).astype(np.int32)
+    batch = (tokens, np.ones_like(tokens), np.ones_like(tokens))
+    expected = jax.jit(jax.value_and_grad(module.loss_fn, has_aux=True))(params, *batch)
+
+    mesh = program.make_mesh(jax.devices()[:8])
+    with jax.set_mesh(mesh):
+        step = jax.jit(
+            lambda p, b: gradients(
+                module.loss_fn, p, b, module.MICROBATCH, module.PARAMS, module.LOGICAL_AXIS_RULES
+            )
+        )
+        got = step(params, batch)
+    for want, have in zip(jax.tree.leaves(expected), jax.tree.leaves(got), strict=True):
+        np.testing.assert_allclose(np.asarray(have), np.asarray(want), rtol=2e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("soft_cap", [None, 5.0])
+def test_the_fused_head_and_cross_entropy_equals_optax_on_the_logits_on_a_vocab_sharded_mesh(tied, soft_cap):
+    """Value, and gradient w.r.t. the hidden states and the head's weight, under a loss mask, against optax on the
+    whole float32 logits; 37 positions in chunks of 8 (the last padded), on one device and on a CPU mesh that
+    shards the vocabulary over `model` and the batch over `data`."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from axgen.runtime.losses import lm_head_cross_entropy
+
+    rules = {"batch": ("data",), "seq": (), "embed": (), "vocab": ("model",)}
+    keys = jax.random.split(jax.random.key(1), 4)
+    hidden = jax.random.normal(keys[0], (4, 37, 64))
+    w = jax.random.normal(keys[1], (1000, 64) if tied else (64, 1000)) * 0.5
+    labels = jax.random.randint(keys[2], (4, 37), 0, 1000)
+    mask = jax.random.bernoulli(keys[3], 0.7, (4, 37))  # targets a loss mask leaves out get no gradient
+
+    def optax_form(hidden, w):
+        logits = jnp.einsum("bse,ve->bsv" if tied else "bse,ev->bsv", hidden, w)
+        logits = logits if soft_cap is None else soft_cap * jnp.tanh(logits / soft_cap)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+
+    def fused(hidden, w):
+        return lm_head_cross_entropy(hidden, w, labels, chunk=8, rules=rules, tied=tied, soft_cap=soft_cap)
+
+    def masked_mean(loss):
+        return jax.jit(
+            jax.value_and_grad(lambda h, w: jnp.sum(loss(h, w) * mask) / mask.sum(), argnums=(0, 1))
+        )
+
+    expected_losses = optax_form(hidden, w)
+    expected, (expected_dh, expected_dw) = masked_mean(optax_form)(hidden, w)
+    np.testing.assert_allclose(fused(hidden, w), expected_losses, rtol=1e-5, atol=1e-5)
+    mesh = jax.make_mesh(
+        (2, 4), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2
+    )  # as programs make it
+    w_spec = P("model", None) if tied else P(None, "model")
+    for sharded in (False, True):
+        h, weight = hidden, w
+        if sharded:
+            h = jax.device_put(hidden, NamedSharding(mesh, P("data")))
+            weight = jax.device_put(w, NamedSharding(mesh, w_spec))
+        with jax.set_mesh(mesh) if sharded else contextlib.nullcontext():
+            value, (dh, dw) = masked_mean(fused)(h, weight)
+        np.testing.assert_allclose(value, expected, rtol=1e-5)
+        np.testing.assert_allclose(dh, expected_dh, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(dw, expected_dw, rtol=1e-4, atol=1e-6)
+        assert not np.any(np.asarray(dh)[~np.asarray(mask)])
+        if sharded:
+            assert dw.sharding.is_equivalent_to(NamedSharding(mesh, w_spec), 2)  # sharded as the weight
+
+
+def test_the_fused_head_and_cross_entropy_never_holds_the_whole_logits():
+    """A language-model head's step with bf16 hidden states and weight: the bf16 logits [8, 1024, 32768] are 512
+    MiB and the logits form's temporaries exceed them; in chunks of 64 positions the step holds the float32 sum of
+    the weight's gradient (32 MiB) and a few chunks' logits (8 MiB each in float32), under 192 MiB."""
+    import jax
+    import jax.numpy as jnp
+
+    from axgen.runtime.losses import cross_entropy, lm_head_cross_entropy
+
+    x, w = jax.ShapeDtypeStruct((8, 1024, 256), jnp.bfloat16), jax.ShapeDtypeStruct(
+        (256, 32768), jnp.bfloat16
+    )
+    tokens = jax.ShapeDtypeStruct((8, 1024), jnp.int32)
+    rules = {"batch": (), "seq": (), "embed": (), "vocab": ()}
+
+    def temporaries(loss):
+        step = jax.jit(jax.grad(lambda x, w, labels: loss(x, w, labels).mean(), argnums=(0, 1)))
+        return step.lower(x, w, tokens).compile().memory_analysis().temp_size_in_bytes
+
+    fused = temporaries(lambda x, w, labels: lm_head_cross_entropy(x, w, labels, chunk=64, rules=rules))
+    on_logits = temporaries(lambda x, w, labels: cross_entropy(x @ w, labels))
+    assert on_logits > 512 * 2**20
+    assert fused < 192 * 2**20, (fused, on_logits)
+
+
+def test_a_program_trains_on_the_cross_entropy_of_its_own_logits(tmp_path):
+    """The emitted loss (the head fused with the cross-entropy, soft-capped logits, on cpu-8's mesh, which shards
+    the vocabulary over `model`) equals optax on the logits `forward` returns, in value and gradient."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from axgen.runtime.program import Program
+    from tests.test_mesh_rules import tiny_program_with
+
+    program = tiny_program_with(tmp_path, "F.softcap(final=3.0)", "cpu-8")
+    assert "# Loss: runtime.lm_head_cross_entropy" in (tmp_path / "variant_cpu_8.py").read_text()
+    assert program.LOGICAL_AXIS_RULES["vocab"] == ("model",) and program.MESH_SHAPE["model"] == 2
+    params = program.init_params(jax.random.key(0))
+    tokens = jax.random.randint(jax.random.key(1), (4, 65), 0, program.CONFIG["vocab_size"])
+    ones = jnp.ones_like(tokens)
+
+    def emitted(params):
+        return program.target_losses(params, tokens, ones, ones)[0].mean()
+
+    def on_logits(params):
+        logits = program.forward(params, tokens[:, :-1]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+    with jax.set_mesh(Program.from_module(program).make_mesh()):
+        (value, grads), (expected, expected_grads) = (
+            jax.jit(jax.value_and_grad(loss))(params) for loss in (emitted, on_logits)
+        )
+    np.testing.assert_allclose(value, expected, rtol=1e-5)
+    jax.tree.map(lambda g, e: np.testing.assert_allclose(g, e, rtol=1e-3, atol=1e-6), grads, expected_grads)

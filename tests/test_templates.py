@@ -13,7 +13,16 @@ from tests.conftest import ROOT
 TEMPLATES = sorted((ROOT / "templates").rglob("*.j2"))
 # What emit's context offers a branch: the lowered graph's attrs, and what it derived from the graph's nodes and
 # regions. (The version and the file's name are printed, never branched on.)
-GRAPH_DERIVED = {"program", "blocks", "groups", "regroup", "main_aux", "logged_metrics", "op_imports"}
+GRAPH_DERIVED = {
+    "program",
+    "blocks",
+    "groups",
+    "regroup",
+    "main_aux",
+    "logged_metrics",
+    "op_imports",
+    "fused_loss",  # the output head's lowered `loss` attrs
+}
 
 
 def test_the_printer_takes_only_the_lowered_graph():

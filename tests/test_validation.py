@@ -188,7 +188,7 @@ BAD_SPECS = [
         "F.rope(theta=10_000.0)",
         "F.rope(10_000.0)",
         14,
-        "RoPE was given too many positional arguments (1, it takes 0); name its fields: theta, scaling, local_theta",
+        "RoPE was given too many positional arguments (1, it takes 0); name its fields: theta, scaling, local_theta, rotary_dim, interleaved",
     ),
 ]
 

@@ -44,6 +44,11 @@ KERNEL_OPTIONS: dict[str, frozenset[str]] = {
     "cudnn": frozenset({"window", "scale"}),
 }
 
+# The kernels that take a value head dim other than the query/key one (DeepSeek's MLA: q/k 192, v 128). Splash's
+# forward and backward kernels size q/k and v blocks apart (head_dim_qk, head_dim_v); jax.nn.dot_product_attention,
+# which the XLA and cuDNN paths call, requires value's head dim to equal key's, so the lowering pads v for them.
+TAKES_V_HEAD_DIM: frozenset[str] = frozenset({"splash"})
+
 # How each kernel is told where the documents of a packed sequence end: splash takes segment ids and masks by them
 # inside the kernel; jax.nn.dot_product_attention (XLA, and cuDNN through it) takes a dense [batch, 1, seq, seq]
 # mask, which cuDNN applies as a bias.

@@ -91,6 +91,7 @@ def _context(env, graph: Graph, output_name: str) -> dict:
         "groups": groups,
         "regroup": any(call.per_step > 1 for group in groups for call in group["calls"]),
         "main_lines": _lines(env, graph, "main", param_root="params"),
+        **_fused_loss(env, graph),
         "main_output": graph.output("main").name,
         "main_aux": [f"{scan.name}_aux" for scan in graph.nodes(op="scan") if scan.attrs.returns_aux],
         "logged_metrics": (
@@ -124,6 +125,7 @@ def _param_entry(param, stack: int | None = None) -> str:
             f", std={param.std}" if param.init == "normal" and param.std != 0.02 else "",
             ", decay=False" if not param.decay else "",
             ", trained=False" if not param.trained else "",
+            f", balance_rate={param.balance_rate}" if param.balance_rate is not None else "",
         ]
     )
     return f'"{param.key}": ParamSpec({shape!r}, {axes!r}{extra}),'
@@ -207,10 +209,33 @@ def _group(scan: Node) -> dict:
     }
 
 
-def _lines(env, graph: Graph, region: str, param_root: str) -> list[str]:
-    """One statement per node, a provenance comment per run of nodes from the same spec field and passes."""
+def _fused_loss(env, graph: Graph) -> dict:
+    """Where the lowering fused the output head with the loss: the main region's statements up to the head
+    (`trunk_lines`, which `hidden_with_aux` prints) and from it on (`head_lines`), and what the loss call takes
+    (`fused_loss`); else `fused_loss` is None."""
+    (head,) = graph.nodes(op="lm_head")
+    if head.attrs.loss != "fused":
+        return {"fused_loss": None}
+    nodes = list(graph.nodes(region="main"))
+    split = nodes.index(head)
+    return {
+        "fused_loss": {
+            "hidden": graph.inputs(head)["x"].name,
+            "weight": 'params["embed"]' if head.attrs.tied else f'params["{head.params["w"].key}"]',
+            "tied": head.attrs.tied,
+            "chunk": head.attrs.loss_chunk,
+            "soft_cap": head.attrs.loss_soft_cap,
+        },
+        "trunk_lines": _lines(env, graph, "main", param_root="params", nodes=nodes[:split]),
+        "head_lines": _lines(env, graph, "main", param_root="params", nodes=nodes[split:]),
+    }
+
+
+def _lines(env, graph: Graph, region: str, param_root: str, nodes: list[Node] | None = None) -> list[str]:
+    """One statement per node (of `nodes`, a part of the region, when given), a provenance comment per run of nodes
+    from the same spec field and passes."""
     lines, last_provenance = [], None
-    for node in graph.nodes(region=region):
+    for node in graph.nodes(region=region) if nodes is None else nodes:
         if node.op == "input":
             continue
         provenance = _provenance(node, graph.attrs["backend_file"])

@@ -291,6 +291,49 @@ class Graph:
         self._touch(self.node(scan.region, consumer))
         return tail
 
+    def split_head(self, scan: Node, count: int, name: str, function: str) -> Node:
+        """Gives the first `count` layers of a one-block `scan` a copy of the block, run by a scan of their own before
+        it, to be rewritten apart (DeepSeek's first_k_dense_replace: dense layers before the MoE ones); the mirror
+        of `split_tail`. Returns the new scan."""
+        source = self.regions[scan.attrs.blocks[0]]
+        if len(scan.attrs.blocks) != 1 or not 0 < count < source.repeat:
+            raise GraphError(f"{scan}: cannot run the first {count} of {source.repeat} layers apart")
+        self._copy_block(source, name, count, function)
+        source.repeat -= count
+        self.update(scan, steps=source.repeat)
+        inputs = self.inputs(scan)
+        head = self.add(
+            scan.region,
+            name,
+            "scan",
+            {"x": inputs["x"], "positions": inputs["positions"], "segment_ids": inputs["segment_ids"]},
+            source=scan.source,
+            label=scan.label,
+            blocks=(name,),
+            steps=count,
+        )
+        dag = self.regions[scan.region].dag
+        dag.remove_edge(inputs["x"].name, scan.name, key="x")
+        dag.add_edge(head.name, scan.name, key="x")
+        self._touch(scan)
+        return head
+
+    def resize(self, nodes: tuple[Node, ...], axis: str, size: int) -> None:
+        """Gives the params of `nodes` (one region's, in topological order, each reading only nodes before it or
+        outside them) `size` along `axis`, and infers their types again. The last one's type must not change: nodes
+        outside read it."""
+        before = nodes[-1].type
+        for node in nodes:
+            node.params = {role: _resized(p, axis, size) for role, p in node.params.items()}
+            node.type = self._infer(
+                node.region, node.name, node.op, self.inputs(node), node.attrs, node.params
+            )
+            self._touch(node)
+        if nodes[-1].type != before:
+            raise GraphError(
+                f"{nodes[-1]}: resizing {axis} to {size} changes its type {before} -> {nodes[-1].type}"
+            )
+
     def _copy_block(self, source: Region, name: str, repeat: int, function: str) -> Region:
         copied = self.add_region(name, repeat=repeat, function=function)
         copied.attrs = copy.deepcopy(source.attrs)
@@ -335,6 +378,11 @@ class Graph:
                 lines.append("  " + _dump_node(self, node))
             lines.append(f"  return {region.output}")
         return "\n".join(lines) + "\n"
+
+
+def _resized(param: Param, axis: str, size: int) -> Param:
+    sizes = tuple(size if a == axis else s for a, s in zip(param.type.axes, param.type.sizes))
+    return dataclasses.replace(param, type=TensorType(param.type.axes, sizes))
 
 
 def _dump_node(graph: Graph, node: Node) -> str:

@@ -64,8 +64,16 @@ class DotAttrs(Attrs):
 
 @dataclass(frozen=True, kw_only=True)
 class LmHeadAttrs(DotAttrs):
+    """The output head. `loss` is the lowering's: `fused`, the training loss takes the head's input and weight and
+    computes the logits and their cross-entropy `loss_chunk` positions at a time (capped by `loss_soft_cap`, the
+    softcap node after the head), so the whole logits never exist in a training step; `logits`, it takes the
+    logits the head and the nodes after it make."""
+
     tied: bool = False
     vocab: int
+    loss: str | None = None
+    loss_chunk: int | None = None
+    loss_soft_cap: float | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,8 +82,11 @@ class AttentionAttrs(Attrs):
     `window`: a query sees only the last `window` positions, itself included; `softcap`: scores pass through
     softcap * tanh(score / softcap) before the softmax; `scale` multiplies the scores, where it is not
     head_dim**-0.5; `sinks`: the `sinks` param, a learned logit per query head, joins each query's softmax and
-    takes a share of the probability mass without a value. `kernel`, `block` and `document_mask` are the lowering's:
-    which implementation runs it, its block length, and how the kernel is told where documents end."""
+    takes a share of the probability mass without a value. `kernel`, `block`, `document_mask`, `v_head_dim` and
+    `pad_v` are the lowering's: which implementation runs it, its block length, how the kernel is told where
+    documents end, v's head dim where it differs from q/k's, and whether v is then zero-padded to q/k's head dim
+    for a kernel that takes one head dim and the output's padding sliced off: zero value channels add zero output
+    channels, so the result is exact."""
 
     causal: bool = True
     window: int | None = None
@@ -85,6 +96,8 @@ class AttentionAttrs(Attrs):
     kernel: str | None = None
     block: int | None = None
     document_mask: str | None = None
+    v_head_dim: int | None = None
+    pad_v: bool = False
 
 
 @dataclass(frozen=True)
@@ -169,9 +182,11 @@ def _linear(ins, attrs, params):
 
 
 def _attention(ins, attrs, params):
+    """q and k share a head dim; v's may differ (DeepSeek's MLA: q/k 192 = 128 + 64 RoPE channels, v 128), and
+    the output has v's."""
     q, k, v = ins["q"], ins["k"], ins["v"]
-    if k != v:
-        raise ShapeError(f"k{k} and v{v} differ")
+    if k.axes != v.axes or k.sizes[:-1] != v.sizes[:-1]:
+        raise ShapeError(f"k{k} and v{v} differ in more than head_dim")
     if q.axes != ("batch", "seq", "heads", "head_dim") or k.axes != ("batch", "seq", "kv_heads", "head_dim"):
         raise ShapeError(
             f"expected q[batch, seq, heads, head_dim], k[batch, seq, kv_heads, head_dim]; got q{q}, k{k}"
@@ -185,7 +200,7 @@ def _attention(ins, attrs, params):
     heads = TensorType.of(("heads", q.size("heads")))
     if attrs.sinks != ("sinks" in params) or attrs.sinks and params["sinks"].type != heads:
         raise ShapeError(f"sinks={attrs.sinks} needs one sinks{heads} param, got {list(params)}")
-    return q
+    return q.drop("head_dim").concat(TensorType.of(("head_dim", v.size("head_dim"))))
 
 
 def _lm_head(ins, attrs, params):
@@ -218,13 +233,13 @@ def _lm_head_flops(ins, attrs, params, seq_len) -> float:
 
 
 def _attention_flops(ins, attrs, params, seq_len) -> float:
-    """As in the PaLM paper's appendix B: 12 * heads * head_dim per key a query sees (scores and values, forward
-    and backward). A causal query sees seq / 2 keys on average; within a window, the mean of min(i + 1, window).
+    """As in the PaLM paper's appendix B: 6 * heads * (qk head_dim + v head_dim) per key a query sees (scores and
+    values, forward and backward; 12 * heads * head_dim where the two agree). A causal query sees seq / 2 keys on average; within a window, the mean of min(i + 1, window).
     """
     keys = seq_len / 2 if attrs.causal else seq_len
     if attrs.window is not None and attrs.window < seq_len:
         keys = attrs.window - attrs.window * (attrs.window - 1) / (2 * seq_len)
-    return 12 * keys * ins["q"].size("heads") * ins["q"].size("head_dim")
+    return 6 * keys * ins["q"].size("heads") * (ins["q"].size("head_dim") + ins["v"].size("head_dim"))
 
 
 # --- the registry ------------------------------------------------------------------------------------------------

@@ -18,6 +18,7 @@ LOGICAL_AXES: dict[str, str] = {
     "mlp": "f",
     "vocab": "v",
     "expert": "x",
+    "latent": "r",  # MLA's low-rank latents of the queries and of the keys and values
     "amax_history": "a",  # fp8 delayed scaling's history of maxima
     "fp8_operand": "o",  # x, w and the gradient of an fp8 dot
     "layers": "l",  # a block's params stacked over its layers
@@ -81,6 +82,8 @@ class Param:
     std: float = 0.02
     decay: bool = True  # whether AdamW's weight decay applies
     trained: bool = True  # False: a statistic the step overwrites with what backward returns for it
+    # A statistic whose backward value is each expert's load: the step moves it by this rate toward balance.
+    balance_rate: float | None = None
     hf: HFWeight | None = None  # None: not in HF checkpoints (starts from its init)
 
     @property
@@ -89,4 +92,7 @@ class Param:
 
     def __str__(self) -> str:
         init = f"normal({self.std})" if self.init == "normal" else self.init
-        return f"{self.key}{self.type} {init}{'' if self.decay else ' no-decay'}{'' if self.trained else ' untrained'}"
+        return f"{self.key}{self.type} {init}{'' if self.decay else ' no-decay'}{'' if self.trained else ' untrained'}{self._balanced()}"
+
+    def _balanced(self) -> str:
+        return "" if self.balance_rate is None else f" balance_rate={self.balance_rate}"

@@ -1,7 +1,8 @@
 """Mixture of experts: the MLP of every `every`-th layer becomes a router and `num_experts` expert MLPs.
 
 With `every > 1` the decoder block splits in two, dense and MoE, scanned in turn; the expert weights are the
-MLP's own weights with a leading `expert` axis, so the MoE keeps the spec's activation.
+MLP's own weights with a leading `expert` axis, so the MoE keeps the spec's activation. With `first_dense_layers`
+the first layers are scanned apart before the others, their dense MLP `dense_hidden_dim` wide (DeepSeek).
 """
 
 import dataclasses
@@ -18,6 +19,14 @@ class MoEAttrs(Attrs):
     capacity_factor: float | None = None
     activation: str
     renormalize: bool = True  # whether the top-k routing weights are rescaled to sum to 1
+    routed_scale: float | None = None  # what the top-k routing weights are multiplied by (DeepSeek)
+    # DeepSeek's routing: sigmoid scores, a correction bias (param `correction_bias`) that chooses experts and
+    # weights none, and the choice limited to each token's best `topk_group` of `n_group` groups of experts.
+    scoring: str = "softmax"
+    correction_bias: bool = False
+    n_group: int | None = None
+    topk_group: int | None = None
+    group_score: str | None = None
     # gpt-oss's experts (passes/gpt_oss_experts.py): biases b_gate, b_up, b_down beside the weights, and the clamped
     # SwiGLU's sigmoid gain and clamp (activation "clamped_swiglu").
     biased: bool = False
@@ -72,6 +81,10 @@ register_op("moe", ("x", "router_logits"), _moe, "moe", MoEAttrs, _moe_flops)
 def moe(g: Graph, cfg: MoE) -> None:
     for scan in list(g.nodes(op="scan")):
         block = scan.attrs.blocks[-1]
+        if cfg.first_dense_layers:
+            head = g.split_head(scan, cfg.first_dense_layers, f"dense_{block}", "dense_decoder_layer")
+            dense = g.subgraph(head.attrs.blocks[0], lambda n: n.label == "mlp" and n.op != "add")
+            g.resize(dense.nodes, "mlp", cfg.dense_hidden_dim)
         if cfg.every > 1:
             block = g.split_block(scan, cfg.every, f"moe_{block}", "moe_decoder_layer").name
         mlp = g.subgraph(block, lambda n: n.label == "mlp" and n.op != "add")
@@ -82,11 +95,15 @@ def moe(g: Graph, cfg: MoE) -> None:
         logits = g.add(block, "router", "linear", {"x": h}, {"w": router})
         mlp_weights = [p for n in mlp.nodes for p in n.params.values()]
         weights = {p.key: _expert(p, experts, len(mlp_weights) == 3) for p in mlp_weights}
+        if cfg.balance_bias_rate is not None:
+            weights["correction_bias"] = _correction_bias(experts, cfg.balance_bias_rate)
         # A spec without a Train block may leave the weights out (MoE.check_model): it only runs forward.
         losses = {
             "load_balance_loss": cfg.aux_loss_weight or 0.0,
             "router_z_loss": cfg.router_z_loss_weight or 0.0,
         }
+        if cfg.seq_aux_loss_weight:  # only when on: a program without it prints no code for it
+            losses["seq_balance_loss"] = cfg.seq_aux_loss_weight
         aux = (*losses, "dropped_fraction") if cfg.capacity_factor else tuple(losses)
         out = g.add(
             block,
@@ -98,6 +115,12 @@ def moe(g: Graph, cfg: MoE) -> None:
             capacity_factor=cfg.capacity_factor,
             activation=next(n.op for n in mlp.nodes if n.op in ("swiglu", "gelu")),
             renormalize=cfg.renormalize,
+            routed_scale=cfg.routed_scale,
+            scoring=cfg.scoring,
+            correction_bias=cfg.balance_bias_rate is not None,
+            n_group=cfg.n_group,
+            topk_group=cfg.topk_group,
+            group_score=cfg.group_score,
             aux=aux,
             aux_weights=tuple(losses.items()),
         )
@@ -135,6 +158,16 @@ def _sigmoid_gate(ins, attrs, params):
 
 
 register_op("sigmoid_gate", ("x", "gate"), _sigmoid_gate, "moe")
+
+
+def _correction_bias(experts: TensorType, rate: float) -> Param:
+    """DeepSeek-V3's e_score_correction_bias: a statistic, not trained; the train step moves it by `rate` toward
+    balance from the experts' loads its backward returns (runtime.balanced). Not decayed: AdamW never sees it.
+    """
+    hf = HFWeight(f"{LAYER}.mlp.gate.e_score_correction_bias")
+    return Param(
+        "correction_bias", experts, init="zeros", decay=False, trained=False, balance_rate=rate, hf=hf
+    )
 
 
 def _expert(weight: Param, experts: TensorType, gated: bool) -> Param:

@@ -7,10 +7,10 @@ needs axgen installed (`pip install --no-deps axgen` beside its own jax works) b
 dependencies.
 """
 
-from axgen.runtime.losses import cross_entropy, trained_targets
+from axgen.runtime.losses import cross_entropy, lm_head_cross_entropy, trained_targets
 from axgen.runtime.params import ParamSpec, init_params
 from axgen.runtime.run import main
-from axgen.runtime.sharding import constrain, logical_to_mesh, param_shardings
+from axgen.runtime.sharding import constrain, logical_to_mesh, param_shardings, shards
 from axgen.runtime.training import apply_gradients, gradients, summed_over_microbatches
 
 __all__ = [
@@ -20,9 +20,11 @@ __all__ = [
     "cross_entropy",
     "gradients",
     "init_params",
+    "lm_head_cross_entropy",
     "logical_to_mesh",
     "main",
     "param_shardings",
+    "shards",
     "summed_over_microbatches",
     "trained_targets",
 ]

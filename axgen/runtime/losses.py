@@ -4,6 +4,8 @@ logits-sized buffers than the logits themselves, and which targets it trains."""
 import jax
 import jax.numpy as jnp
 
+from axgen.runtime.sharding import constrain
+
 
 @jax.custom_vjp
 def cross_entropy(logits, labels):
@@ -30,9 +32,13 @@ def _forward(logits, labels):
 
 def _backward(residuals, grad):
     logits, labels, log_norm = residuals
-    probs = jnp.exp(logits.astype(jnp.float32) - log_norm[..., None])
-    one_hot = jax.nn.one_hot(labels, logits.shape[-1], dtype=jnp.float32)
-    return ((probs - one_hot) * grad[..., None]).astype(logits.dtype), None
+    return _d_logits(logits.astype(jnp.float32), labels, log_norm, grad).astype(logits.dtype), None
+
+
+def _d_logits(logits, labels, log_norm, grad):
+    """The cross-entropy's gradient w.r.t. float32 logits: (softmax - one_hot) times each position's `grad`."""
+    probs = jnp.exp(logits - log_norm[..., None])
+    return (probs - jax.nn.one_hot(labels, logits.shape[-1], dtype=jnp.float32)) * grad[..., None]
 
 
 cross_entropy.defvjp(_forward, _backward)
@@ -44,3 +50,69 @@ def trained_targets(segment_ids, loss_mask):
     document never count) and be one the dataset trains: loss_mask 1, which is every token of plain text and the
     assistant's turns of a conversation (`axgen data --chat`)."""
     return (segment_ids[:, 1:] == segment_ids[:, :-1]) & (segment_ids[:, 1:] != 0) & (loss_mask[:, 1:] != 0)
+
+
+def lm_head_cross_entropy(hidden, w, labels, *, chunk, rules, tied=False, soft_cap=None):
+    """The output head and cross_entropy in one: -log softmax(cap(hidden @ w))[label] in float32 for hidden
+    [batch, seq, embed], the head's weight w [embed, vocab] ([vocab, embed] when `tied` to the input embedding)
+    and int labels [batch, seq]; `soft_cap` squashes each logit to soft_cap * tanh(logit / soft_cap) first (Gemma
+    2's final cap). What cross_entropy gives on the head's logits, without the [batch, seq, vocab] logits: the
+    positions go through the head `chunk` at a time (the last chunk padded), so a step holds one chunk's float32
+    logits at a time, in the forward pass and again in the backward pass, which recomputes them from `hidden` and
+    w and keeps only each target's log-sum-exp between the two (MaxText's vocabulary tiling, with a gradient
+    written out instead of jax.vjp per chunk). `rules` are the program's logical-axis rules: each chunk's logits
+    shard as ("batch", "seq", "vocab") and the weight's gradient as the weight, so on a mesh that shards the
+    vocabulary the log-sum-exp reduces across its shards and the summed gradient never lives whole on a device.
+    The logits multiply in hidden's dtype and accumulate in float32."""
+    batch, seq, _ = hidden.shape
+    chunks = -(-seq // chunk)
+    pad = chunks * chunk - seq
+    w_axes = ("vocab", "embed") if tied else ("embed", "vocab")
+    logits_einsum = "bce,ve->bcv" if tied else "bce,ev->bcv"
+
+    def to_chunks(x):  # [batch, seq, ...] -> [chunks, batch, chunk, ...], padded at the end of seq
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape(batch, chunks, chunk, *x.shape[2:]), 1, 0)
+
+    def from_chunks(x):  # the inverse, padding dropped
+        return jnp.moveaxis(x, 0, 1).reshape(batch, chunks * chunk, *x.shape[3:])[:, :seq]
+
+    def capped_logits(h, w):
+        logits = jnp.einsum(logits_einsum, h, w, preferred_element_type=jnp.float32)
+        logits = constrain(logits, ("batch", "seq", "vocab"), rules)
+        return logits if soft_cap is None else soft_cap * jnp.tanh(logits / soft_cap)
+
+    def forward(hidden, w, labels):
+        def one_chunk(_, xs):
+            h, y = xs
+            return None, _losses(capped_logits(h, w), y)
+
+        _, (losses, log_norm) = jax.lax.scan(one_chunk, None, (to_chunks(hidden), to_chunks(labels)))
+        return from_chunks(losses), (hidden, w, labels, log_norm)
+
+    def backward(residuals, grad):
+        hidden, w, labels, log_norm = residuals
+
+        def one_chunk(grad_w, xs):
+            h, y, norm, g = xs
+            logits = capped_logits(h, w)
+            d_logits = _d_logits(logits, y, norm, g)
+            if soft_cap is not None:  # d(cap * tanh(z / cap)) / dz = 1 - tanh^2
+                d_logits = d_logits * (1 - jnp.square(logits / soft_cap))
+            d_logits = d_logits.astype(h.dtype)
+            d_h = jnp.einsum("bcv,ve->bce" if tied else "bcv,ev->bce", d_logits, w)
+            d_w = jnp.einsum(
+                "bcv,bce->ve" if tied else "bce,bcv->ev",
+                *((d_logits, h) if tied else (h, d_logits)),
+                preferred_element_type=jnp.float32,
+            )
+            return constrain(grad_w + d_w, w_axes, rules), d_h
+
+        grad_w = constrain(jnp.zeros(w.shape, jnp.float32), w_axes, rules)
+        xs = (to_chunks(hidden), to_chunks(labels), log_norm, to_chunks(grad))
+        grad_w, d_hidden = jax.lax.scan(one_chunk, grad_w, xs)
+        return from_chunks(d_hidden), grad_w.astype(w.dtype), None
+
+    fused = jax.custom_vjp(lambda hidden, w, labels: forward(hidden, w, labels)[0])
+    fused.defvjp(forward, backward)
+    return fused(hidden, w, labels)

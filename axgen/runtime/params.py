@@ -14,6 +14,9 @@ class ParamSpec:
     std: float = 0.02
     decay: bool = True  # whether AdamW weight decay applies
     trained: bool = True  # False: a statistic the step overwrites with what backward returns for it
+    # An expert-choice correction bias (DeepSeek-V3's auxiliary-loss-free balancing; trained=False): backward
+    # returns each expert's load, summed over the step, and the step adds balance_rate * sign(mean load - load).
+    balance_rate: float | None = None
 
 
 def is_param_spec(x) -> bool:

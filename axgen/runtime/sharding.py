@@ -11,8 +11,9 @@ from axgen.runtime.params import is_param_spec
 
 def logical_to_mesh(rules: dict, logical_axes, shape, mesh_shape) -> P:
     """PartitionSpec for a tensor: each dimension takes its rule's mesh axes that are unused, larger than 1, and
-    divide the dimension."""
-    used, spec = set(), []
+    divide the dimension. Inside a shard_map, the axes it made manual are each device's own and split nothing
+    (`replica_axes`: a step that accumulates gradients runs under one)."""
+    used, spec = set(jax.sharding.get_abstract_mesh().manual_axes), []
     for axis, size in zip(logical_axes, shape):
         mesh_axes = tuple(m for m in rules[axis] if m not in used and mesh_shape[m] > 1)
         if size % math.prod(mesh_shape[m] for m in mesh_axes):
@@ -37,3 +38,17 @@ def param_shardings(mesh, specs, rules: dict):
         specs,
         is_leaf=is_param_spec,
     )
+
+
+def shards(entry, mesh_shape) -> int:
+    """How many parts one entry of a PartitionSpec (None, a mesh axis, or a tuple of them) splits a dimension into."""
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+    return math.prod(mesh_shape[axis] for axis in axes)
+
+
+def replica_axes(rules: dict, mesh_shape) -> tuple[str, ...]:
+    """The mesh axes (larger than 1) that split the batch and nothing else: every device along them holds the same
+    params and differs only in its rows, so gradients are summed over them and over nothing else they touch
+    (data parallelism, slices over DCN)."""
+    elsewhere = {axis for logical, axes in rules.items() if logical != "batch" for axis in axes}
+    return tuple(axis for axis in rules["batch"] if axis not in elsewhere and mesh_shape.get(axis, 1) > 1)

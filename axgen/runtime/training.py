@@ -1,14 +1,16 @@
 """The parts of a train step every program shares: gradients over microbatches, and an optimizer update that
 leaves statistics untrained and skips a non-finite step."""
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec as P
 
 from axgen.runtime.params import is_param_spec
-from axgen.runtime.sharding import constrain, logical_to_mesh
+from axgen.runtime.sharding import constrain, logical_to_mesh, replica_axes
 
 
 class BatchSplitError(ValueError):
@@ -43,10 +45,45 @@ def gradients(loss_fn, params, batch, microbatch: int, specs, rules: dict):
     sequences per device: with more rows than one pass takes, they are summed over the passes, which lax.scan runs
     one after another, so only one pass's activations are alive at a time. Row i goes to pass i % passes: every
     pass takes rows from every device, and no tokens move. The number of passes follows from the batch (`--batch`),
-    so a larger batch keeps the pass the spec's rule sized and takes more of them."""
+    so a larger batch keeps the pass the spec's rule sized and takes more of them.
+
+    Over several passes, the devices along the `replica_axes` (data parallelism; slices, whose links are the
+    data-centre network) sum their own passes' gradients apart and reduce them once, after the last pass: a
+    reduction per pass would cross those links `passes` times a step."""
     accum_steps = _accumulation_steps(batch, microbatch, rules)
     if accum_steps == 1:
         return jax.value_and_grad(loss_fn, has_aux=True)(params, *batch)
+    mesh = jax.sharding.get_abstract_mesh()
+    replicas = () if mesh.empty else replica_axes(rules, dict(mesh.shape))
+    accumulate = functools.partial(_accumulated, loss_fn, accum_steps=accum_steps, specs=specs, rules=rules)
+    if not replicas:
+        return accumulate(params, batch)
+
+    def on_replica(params, batch):
+        values, grads = accumulate(params, batch)
+
+        # Each replica's sums are means over its own rows: the batch's are their mean (statistics: their maximum;
+        # experts' loads add up as gradients do).
+        def across(g, spec):
+            summed = spec.trained or spec.balance_rate is not None
+            return jax.lax.pmean(g, replicas) if summed else jax.lax.pmax(g, replicas)
+
+        return jax.lax.pmean(values, replicas), jax.tree.map(across, grads, specs, is_leaf=is_param_spec)
+
+    # Unchecked: with shard_map's replication types, each pass's gradient of the replicated params would be
+    # summed over the replicas where it is made (the transpose of their broadcast), once per pass.
+    return jax.shard_map(
+        on_replica,
+        mesh=mesh,
+        in_specs=(P(), P(replicas)),
+        out_specs=P(),
+        axis_names=set(replicas),
+        check_vma=False,
+    )(params, batch)
+
+
+def _accumulated(loss_fn, params, batch, accum_steps: int, specs, rules: dict):
+    """`gradients` summed over `accum_steps` passes of the batch's rows, one after another."""
     microbatches = _microbatches(batch, accum_steps)
     # Each microbatch counts 1/accum_steps, so the sums are means over the batch, gradients included (means of
     # the microbatches' means: exact when they count the same number of targets).
@@ -61,7 +98,8 @@ def gradients(loss_fn, params, batch, microbatch: int, specs, rules: dict):
 
     def add(total, new, spec):
         # Statistics (fp8 amax histories) come back whole from each microbatch: the batch's is their maximum.
-        return total + new if spec.trained else jnp.maximum(total, new)
+        # Experts' loads (a correction bias's backward value) add up over the microbatches, as gradients do.
+        return total + new if spec.trained or spec.balance_rate is not None else jnp.maximum(total, new)
 
     def add_microbatch(totals, microbatch):
         values, grads = grad_fn(params, microbatch)
@@ -100,12 +138,20 @@ def _microbatches(batch, accum_steps: int):
 def apply_gradients(optimizer, learning_rate, state: dict, grads, loss, metrics: dict, specs):
     """The next state and the step's metrics (with loss, grad_norm, the step's lr and whether it was skipped). Statistics (params with trained=False,
     e.g. fp8 amax histories) are not trained: backward returns each one's next value where a gradient would be. A
-    non-finite loss or gradient never reaches the params or the optimizer's moments: the step is skipped."""
+    correction bias (a statistic with a balance_rate) gets each expert's load over the step instead, and moves by
+    the rate toward balance: up for an expert below the mean load, down above it (DeepSeek-V3). A non-finite loss
+    or gradient never reaches the params or the optimizer's moments: the step is skipped."""
     statistics = grads
     grads = jax.tree.map(lambda g, spec: g if spec.trained else jnp.zeros_like(g), grads, specs)
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    params = jax.tree.map(lambda p, new, spec: p if spec.trained else new, params, statistics, specs)
+    params = jax.tree.map(
+        lambda p, new, old, spec: p if spec.trained else _statistic(old, new, spec),
+        params,
+        statistics,
+        state["params"],
+        specs,
+    )
     metrics = {
         **metrics,
         "loss": loss,
@@ -120,3 +166,17 @@ def apply_gradients(optimizer, learning_rate, state: dict, grads, loss, metrics:
     )
     metrics["skipped"] = jnp.logical_not(finite)
     return {"step": state["step"] + 1, "params": kept[0], "opt_state": kept[1]}, metrics
+
+
+def balanced(bias, load, rate: float):
+    """DeepSeek-V3's auxiliary-loss-free update of a correction bias [..., experts] from its experts' loads over
+    the step: bias + rate * sign(mean load - load), the mean over the last axis (one layer's experts). A load
+    scaled by any positive factor (a mean instead of a count, a sum over devices counted twice) moves it the same.
+    """
+    mean = load.mean(axis=-1, keepdims=True)
+    return bias + rate * jnp.sign(mean - load).astype(bias.dtype)
+
+
+def _statistic(old, new, spec):
+    """A statistic's next value: what backward returned, or a correction bias moved by its experts' loads."""
+    return new if spec.balance_rate is None else balanced(old, new, spec.balance_rate)

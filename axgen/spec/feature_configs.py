@@ -17,6 +17,8 @@ if TYPE_CHECKING:
 
 QUANTIZE_DTYPES = ("int8", "fp8")
 FP8_SCALINGS = ("current", "delayed")
+MOE_SCORINGS = ("softmax", "sigmoid")
+MOE_GROUP_SCORES = ("top2_sum", "max")
 
 
 @dataclass(frozen=True)
@@ -168,22 +170,34 @@ class YarnRopeScaling(SpecNode):
 class RoPE(Feature):
     """Rotary position embeddings on queries and keys (rotate-half layout, as in HF Llama). `local_theta` is the
     theta of the layers whose attention has a sliding window (Gemma 3: 10,000 there, `theta` 1,000,000 on its
-    global layers); `scaling` applies to the other layers only when it is set."""
+    global layers); `scaling` applies to the other layers only when it is set. `rotary_dim`: only the last
+    rotary_dim channels of each query and key head rotate, the others carry no position (DeepSeek's
+    qk_rope_head_dim); `interleaved`: the rotated pairs are adjacent channels (2i, 2i + 1), as DeepSeek's
+    checkpoints need (transformers' deepseek_v2 multiplies adjacent pairs as complex numbers; deepseek_v3's
+    `rope_interleave`), not the halves of HF Llama's rotate-half."""
 
     pass_name: typing.ClassVar[str] = "rope"
     HF_KEYS = {"theta": "rope_theta (transformers 5: rope_parameters.rope_theta)"}
     theta: float
     scaling: RopeScaling | LinearRopeScaling | YarnRopeScaling | None = None
     local_theta: float | None = None
+    rotary_dim: int | None = None
+    interleaved: bool = False
 
     def validate(self) -> None:
         self.require_positive("theta")
         if self.local_theta is not None:
             self.require_positive("local_theta")
+        if self.rotary_dim is not None:
+            self.require_positive("rotary_dim")
+            if self.rotary_dim % 2:
+                self.fail("rotary_dim", "must be even (rope rotates pairs of channels)")
 
     def check_model(self, model: Model) -> None:
         if model.decoder.attention.head_dim % 2:
             model.decoder.attention.fail("head_dim", "must be even for rope (it rotates pairs of channels)")
+        if self.rotary_dim is not None and self.rotary_dim > model.decoder.attention.head_dim:
+            self.fail("rotary_dim", f"is more than the heads' head_dim={model.decoder.attention.head_dim}")
         if self.local_theta is not None and model.feature("sliding_window") is None:
             self.fail("local_theta", "is the theta of windowed layers, and the model has no sliding_window")
 
@@ -201,6 +215,20 @@ class MoE(Feature):
 
     `shared_hidden_dim` adds a shared expert that every token takes: the decoder's MLP at that width, added to
     the routed experts' output (DeepSeek-MoE), scaled by sigmoid(x . w) when `shared_gate` (Qwen2-MoE).
+    `routed_scale` multiplies the routed experts' weights, so their output (DeepSeek's `routed_scaling_factor`).
+
+    DeepSeek's routing: `scoring="sigmoid"` scores each expert by sigmoid(logit) and weights the chosen k by their
+    scores (renormalised to sum to 1 when `renormalize`; the balance losses take the scores over their sum as
+    probabilities). `balance_bias_rate` adds a per-expert correction bias (HF `mlp.gate.e_score_correction_bias`)
+    to the scores for choosing experts only; it takes no gradient, and each train step moves it by the rate
+    toward balance, bias += rate * sign(mean load - load) over the step's tokens (DeepSeek-V3's auxiliary-loss-free
+    balancing; 0.0 holds it fixed, as to fine-tune). `n_group` splits the experts into that many equal groups and
+    a token chooses among the experts of its best `topk_group` groups, a group ranked by `group_score`: "top2_sum"
+    (its two highest scores, bias included: V3's `noaux_tc`) or "max" (V2's `group_limited_greedy`).
+    `seq_aux_loss_weight` weighs DeepSeek-V3's sequence-wise balance loss (0.0: off). The first
+    `first_dense_layers` layers keep a dense MLP, `dense_hidden_dim` wide (DeepSeek's `first_k_dense_replace` and
+    `intermediate_size`; the experts' width, `moe_intermediate_size`, is the decoder's), scanned apart before the
+    others.
     """
 
     pass_name: typing.ClassVar[str] = "moe"
@@ -209,6 +237,13 @@ class MoE(Feature):
         "top_k": "num_experts_per_tok",
         "renormalize": "norm_topk_prob (Mixtral: true)",
         "aux_loss_weight": "router_aux_loss_coef",
+        "routed_scale": "routed_scaling_factor (DeepSeek)",
+        "scoring": "scoring_func (DeepSeek)",
+        "n_group": "n_group (DeepSeek)",
+        "topk_group": "topk_group (DeepSeek)",
+        "group_score": "topk_method: noaux_tc -> top2_sum, group_limited_greedy -> max (DeepSeek)",
+        "first_dense_layers": "first_k_dense_replace (DeepSeek)",
+        "dense_hidden_dim": "intermediate_size (DeepSeek; the experts' moe_intermediate_size is the decoder's)",
     }
     num_experts: int
     top_k: int
@@ -219,9 +254,21 @@ class MoE(Feature):
     router_z_loss_weight: float | None = None
     shared_hidden_dim: int | None = None
     shared_gate: bool = False
+    routed_scale: float | None = None
+    scoring: str = "softmax"
+    balance_bias_rate: float | None = None
+    n_group: int | None = None
+    topk_group: int | None = None
+    group_score: str | None = None
+    seq_aux_loss_weight: float = 0.0
+    first_dense_layers: int = 0
+    dense_hidden_dim: int | None = None
 
     def validate(self) -> None:
         self.require_positive("top_k", "every")
+        self._validate_deepseek_routing()
+        if self.routed_scale is not None:
+            self.require_positive("routed_scale")
         if self.shared_hidden_dim is not None:
             self.require_positive("shared_hidden_dim")
         elif self.shared_gate:
@@ -236,10 +283,58 @@ class MoE(Feature):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 self.fail(name, "must be >= 0")
 
+    def _validate_deepseek_routing(self) -> None:
+        if self.scoring not in MOE_SCORINGS:
+            self.fail(
+                "scoring", f"is not one of {', '.join(MOE_SCORINGS)}{suggest(self.scoring, MOE_SCORINGS)}"
+            )
+        if self.balance_bias_rate is not None and self.balance_bias_rate < 0:
+            self.fail("balance_bias_rate", "must be >= 0 (0.0 holds the correction bias fixed)")
+        if self.first_dense_layers < 0:
+            self.fail("first_dense_layers", "must be >= 0")
+        if self.first_dense_layers and self.dense_hidden_dim is None:
+            self.fail("dense_hidden_dim", f"is needed for the first_dense_layers={self.first_dense_layers}")
+        if self.dense_hidden_dim is not None:
+            self.require_positive("dense_hidden_dim")
+            if not self.first_dense_layers:
+                self.fail(
+                    "dense_hidden_dim", "is the width of the first dense layers: set first_dense_layers"
+                )
+            if self.every > 1:
+                self.fail(
+                    "every", "must be 1 with first_dense_layers (the dense layers between would differ)"
+                )
+        if self.seq_aux_loss_weight < 0:
+            self.fail("seq_aux_loss_weight", "must be >= 0 (0.0 turns the loss off)")
+        if self.n_group is None:
+            for name in ("topk_group", "group_score"):
+                if getattr(self, name) is not None:
+                    self.fail(name, "applies to group-limited routing: set n_group")
+            return
+        self.require_positive("n_group")
+        if self.num_experts % self.n_group:
+            self.fail("n_group", f"does not divide num_experts={self.num_experts}")
+        if self.topk_group is None or not 1 <= self.topk_group <= self.n_group:
+            self.fail("topk_group", f"must be in [1, n_group={self.n_group}]")
+        if self.group_score not in MOE_GROUP_SCORES:
+            self.fail("group_score", f"is not one of {', '.join(MOE_GROUP_SCORES)}")
+        group_size = self.num_experts // self.n_group
+        if self.group_score == "top2_sum" and group_size < 2:
+            self.fail("n_group", f"leaves {group_size} expert per group; top2_sum ranks a group by two")
+        if self.top_k > self.topk_group * group_size:
+            self.fail(
+                "top_k", f"is more than the {self.topk_group * group_size} experts of topk_group groups"
+            )
+
     def unremarkable(self) -> tuple[str, ...]:
-        return ("renormalize",) if self.renormalize else ()
+        usual = ("renormalize",) if self.renormalize else ()
+        return (*usual, "scoring") if self.scoring == "softmax" else usual
 
     def check_model(self, model: Model) -> None:
+        if self.first_dense_layers >= model.decoder.num_layers:
+            self.fail(
+                "first_dense_layers", f"leaves no MoE layer of Decoder.num_layers={model.decoder.num_layers}"
+            )
         if model.decoder.num_layers % self.every:
             self.fail("every", f"does not divide Decoder.num_layers={model.decoder.num_layers}")
         if model.train is not None:
@@ -431,6 +526,60 @@ class GptOssExperts(Feature):
             )
 
 
+@dataclass(frozen=True, kw_only=True)
+class MLA(Feature):
+    """Multi-head latent attention (DeepSeek-V2/V3) in place of the q, k and v projections. Queries come from a
+    low-rank latent, q_b(rmsnorm(q_a(x))), or from one projection where `q_lora_rank` is None (V2-Lite's
+    q_proj); keys and values from one latent of `kv_lora_rank` channels, rmsnorm'd and up-projected per head to
+    `qk_nope_head_dim` key and `v_head_dim` value channels; the key's last `qk_rope_head_dim` channels are one
+    head projected beside the latent (kv_a_proj_with_mqa) and shared by every head. RoPE turns only those
+    channels, of q and k, in adjacent pairs: the model's F.rope must say rotary_dim=qk_rope_head_dim,
+    interleaved=True. `eps` is the latent norms' (transformers' DeepSeek: 1e-6, whatever rms_norm_eps says).
+    Attention sees q/k of qk_nope_head_dim + qk_rope_head_dim channels, which Attention.head_dim states, and
+    v of v_head_dim; its scale is Attention.scale (None: head_dim**-0.5). Every value is required."""
+
+    pass_name: typing.ClassVar[str] = "mla"
+    HF_KEYS = {
+        "q_lora_rank": "q_lora_rank",
+        "kv_lora_rank": "kv_lora_rank",
+        "qk_nope_head_dim": "qk_nope_head_dim",
+        "qk_rope_head_dim": "qk_rope_head_dim",
+        "v_head_dim": "v_head_dim",
+        "eps": "no key: 1e-6, the default of the RMSNorm transformers' DeepSeek norms the latents with",
+    }
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    eps: float
+
+    def validate(self) -> None:
+        self.require_positive("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "eps")
+        if self.q_lora_rank is not None:
+            self.require_positive("q_lora_rank")
+        if self.qk_rope_head_dim % 2:
+            self.fail("qk_rope_head_dim", "must be even (rope rotates pairs of channels)")
+
+    def check_model(self, model: Model) -> None:
+        attention, qk = model.decoder.attention, self.qk_nope_head_dim + self.qk_rope_head_dim
+        if attention.head_dim != qk:
+            attention.fail("head_dim", f"must be qk_nope_head_dim + qk_rope_head_dim = {qk} for F.mla")
+        if attention.num_kv_heads != attention.num_heads:
+            attention.fail(
+                "num_kv_heads", f"must be num_heads={attention.num_heads} for F.mla (one k, v per head)"
+            )
+        rope = model.feature("rope")
+        if rope is None or rope.rotary_dim != self.qk_rope_head_dim or not rope.interleaved:
+            self.fail(
+                "qk_rope_head_dim",
+                f"needs F.rope(rotary_dim={self.qk_rope_head_dim}, interleaved=True), as MLA turns its rope channels",
+            )
+        for other in ("qkv_bias", "qk_norm"):
+            if model.feature(other) is not None:
+                self.fail("q_lora_rank", f"replaces the q, k, v projections that F.{other} changes")
+
+
 class features:  # noqa: N801 - a namespace, used as `features as F` in spec files
     """Feature constructors for `Model.features`: `F.rope(theta=5e5, scaling=F.rope_scaling(factor=8.0))`."""
 
@@ -449,3 +598,4 @@ class features:  # noqa: N801 - a namespace, used as `features as F` in spec fil
     attention_sinks = AttentionSinks
     out_bias = OutBias
     gpt_oss_experts = GptOssExperts
+    mla = MLA

@@ -1,0 +1,109 @@
+"""Multi-head latent attention (F.mla): the pass's graph and its flops, the lowering that pads v where the kernel
+takes one head dim and not for splash, and the specs it refuses in one line. Its logits against transformers'
+DeepSeek-V2 are tests/test_deepseek_v2.py's."""
+
+import pytest
+from tests.conftest import train
+from tests.test_aot import aot
+from tests.test_hf_export import run
+
+from axgen.build import build
+from axgen.cli import main as run_cli
+
+
+def mla_spec(tmp_path, features: str = "tiny.features"):
+    """tests/fixtures/hf_deepseek_v2_spec.py's model with `features`, at a sequence splash's blocks divide, for
+    every target."""
+    path = tmp_path / "mla_spec.py"
+    path.write_text(
+        "from tests.fixtures.hf_deepseek_v2_spec import spec as tiny\n"
+        "from axgen.spec import Train, features as F\n"
+        f"spec = tiny.replace(features={features}, train=Train(seq_len=128, global_batch=8, steps=10, "
+        "warmup_steps=1), targets=['cpu-1', 'tpu-v5e-8', 'gpu-h100-8'])\n"
+    )
+    return path
+
+
+@pytest.mark.parametrize(
+    ("target", "kernel", "pad_v"), [("gpu-h100-8", "cudnn", True), ("tpu-v5e-8", "splash", False)]
+)
+def test_the_lowering_pads_v_for_cudnn_and_not_for_splash(target, kernel, pad_v, tmp_path, capsys):
+    code, output = run(capsys, "graph", mla_spec(tmp_path), "--target", target, "--after", "lowering")
+    assert code == 0, output
+    (line,) = [line for line in output.splitlines() if line.strip().startswith("attention = attention(")]
+    assert f"kernel={kernel}" in line and "v_head_dim=12" in line and ("pad_v=True" in line) == pad_v
+    assert "-> [batch, seq, heads=4, head_dim=12]" in line
+
+
+def test_the_program_has_mla_s_projections_and_counts_their_flops(tmp_path):
+    built = build(mla_spec(tmp_path), "gpu-h100-8")
+    assert "key = concat_shared(k_nope, k_pe)" in built.source
+    assert "pad_head_dim(value, query_rope)" in built.source
+    config = dict((k, v) for k, v, _ in built.graph.attrs["config"])
+    # Per token and layer, 6 x the weights it multiplies by: q_a 64x24, q_b 24x(4x24), kv_a 64x(16+8),
+    # kv_b 16x(4x(16+12)), o (4x12)x64, the router 64x8, 3 of the 8 experts (3 x 64x32 each) and the shared
+    # expert (3 x 64x64); attention 6 x heads x (qk 24 + v 12) per key, 128 / 2 keys on average. Then the head.
+    weights = 64 * 24 + 24 * 96 + 64 * 24 + 16 * 112 + 48 * 64 + 64 * 8 + 3 * 3 * 64 * 32 + 3 * 64 * 64
+    attention = 6 * 64 * 4 * (24 + 12)
+    assert config["flops_per_token"] == 2 * (6 * weights + attention) + 6 * 64 * 128
+
+
+@pytest.mark.parametrize(
+    ("features", "message"),
+    [
+        (
+            "[F.rope(theta=1e4), *tiny.features[1:]]",
+            "MLA.qk_rope_head_dim=8 needs F.rope(rotary_dim=8, interleaved=True)",
+        ),
+        ("[*tiny.features, F.qk_norm(eps=1e-6)]", "replaces the q, k, v projections that F.qk_norm changes"),
+    ],
+)
+def test_an_mla_without_its_rope_or_with_qk_norm_is_refused_in_one_line(features, message, tmp_path, capsys):
+    code, output = run(capsys, "graph", mla_spec(tmp_path, features=features))
+    assert code == 2 and message in output and len(output.strip().splitlines()) == 1, output
+
+
+def test_a_head_dim_other_than_nope_plus_rope_is_refused(tmp_path, capsys):
+    path = tmp_path / "bad.py"
+    path.write_text(
+        "from tests.fixtures.hf_deepseek_v2_spec import spec as tiny\n"
+        "spec = tiny.replace(decoder=tiny.decoder.replace(attention=tiny.decoder.attention.replace(head_dim=16)))\n"
+    )
+    code, output = run(capsys, "graph", path)
+    assert (
+        code == 2 and "Attention.head_dim=16 must be qk_nope_head_dim + qk_rope_head_dim = 24" in output
+    ), output
+
+
+def test_an_mla_model_trains_on_8_cpu_devices_with_falling_loss(corpus, tmp_path):
+    """The fixture's DeepSeek-V2 model (MLA with YaRN, routed and shared experts) at a byte vocabulary, sharded over
+    8 fake CPU devices: its loss falls."""
+    spec = tmp_path / "mla_train.py"
+    spec.write_text(
+        "from tests.fixtures.hf_deepseek_v2_spec import spec as tiny\n"
+        "from axgen.spec import AdamW, Train\n"
+        "rope, mla, moe = tiny.features\n"
+        "spec = tiny.replace(vocab_size=256, features=[rope, mla, moe.replace(aux_loss_weight=0.01)], "
+        "train=Train(seq_len=64, global_batch=8, steps=20, warmup_steps=2, optimizer=AdamW(lr=3e-3)), "
+        "targets=['cpu-8'])\n"
+    )
+    program = tmp_path / "program.py"
+    assert run_cli(["build", str(spec), "--target", "cpu-8", "--out", str(program)]) == 0
+    losses = train(program, corpus, tmp_path / "run", 20)
+    assert sorted(losses) == list(range(1, 21))
+    assert losses[20] < losses[1] - 1.0, losses
+
+
+@pytest.mark.parametrize(
+    ("target", "kernels"),
+    [
+        # splash forward and backward, on q/k of 24 channels and v of 12 as they are
+        ("tpu-v5e-8", {"tpu_custom_call"}),
+        # cuDNN's fused attention on v padded to 24 channels
+        ("gpu-h100-8", {"__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"}),
+    ],
+)
+def test_an_mla_train_step_compiles_for_each_target_s_attention_kernel(target, kernels, tmp_path, capsys):
+    code, [report], _ = aot(capsys, str(mla_spec(tmp_path)), "--target", target)
+    assert code == 0 and report["fits"]
+    assert kernels <= set(report["kernels"]), report["kernels"]
