@@ -298,3 +298,63 @@ def test_all_to_all_experts_equal_the_all_gather_path_in_value_and_gradient(tmp_
         np.testing.assert_allclose(grad, expected, atol=atol, err_msg=jax.tree_util.keystr(path))
 
     jax.tree_util.tree_map_with_path(check, a2a_grads, grads)
+
+
+class UncheckedKernels:
+    """Stand-ins for the Mosaic GPU grouped-matmul kernels on CPU, their outputs naming no mesh axes as the kernels'
+    do (`plgpu.kernel` runs with shard_map's varying-axes check off). They do not reproduce the kernels' compile
+    failure under expert parallelism (test_aot compiles the real ones); they check the values."""
+
+    @staticmethod
+    def ragged_dot(lhs, rhs, group_sizes, transpose_rhs=False, **tiles):
+        with jax._src.config._check_vma(False):
+            return jax.lax.ragged_dot(lhs, jnp.swapaxes(rhs, 1, 2) if transpose_rhs else rhs, group_sizes)
+
+    @staticmethod
+    def transposed_ragged_dot(lhs, rhs, group_sizes, **tiles):
+        with jax._src.config._check_vma(False):
+            group = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(lhs.shape[0]), side="right")
+            in_group = jax.nn.one_hot(
+                group, group_sizes.shape[0], dtype=lhs.dtype
+            )  # rows after the last: none
+            return jnp.einsum("mg,mk,mn->gkn", in_group, lhs, rhs)
+
+
+@pytest.mark.parametrize(
+    "rule, mesh_shape",
+    [(None, (1, 8, 1, 1)), ("all_gather", (2, 1, 4, 1))],
+    ids=["fsdp", "data_expert"],
+)
+def test_mosaic_gpu_kernel_gradients_sum_over_the_batch_like_ragged_dot(
+    tmp_path, monkeypatch, rule, mesh_shape
+):
+    """The H100 program's kernel path (its custom_vjp, and the casts that type its inputs, outputs and gradients
+    as varying over the mesh axes its rows vary over) gives ragged_dot's loss and gradients on a CPU mesh: the
+    expert weights' gradient is summed over the devices that split the batch once, not more."""
+    monkeypatch.setenv("AXGEN_XLA_KERNELS", "1")  # the attention's XLA path; the grouped matmul is set below
+    spec = MOE_TINY if rule is None else expert_parallel(tmp_path, rule)
+    out = tmp_path / "h100.py"
+    write_atomically(out, build(spec, "gpu-h100-8").source)
+    program = load_program(out)
+    assert program.GROUPED_MATMUL_IMPL == "xla"
+    params = program.init_params(jax.random.key(1))
+    tokens = jax.random.randint(jax.random.key(2), (8, 17), 0, 256)
+    axis_types = (jax.sharding.AxisType.Auto,) * 4
+    mesh = jax.make_mesh(mesh_shape, ("data", "fsdp", "expert", "model"), axis_types=axis_types)
+    results = {}
+    with jax.set_mesh(mesh):
+        placed = jax.device_put(params, Program.from_module(program).param_shardings(mesh))
+        for impl in ("xla", "mosaic_gpu"):
+            monkeypatch.setattr(program, "GROUPED_MATMUL_IMPL", impl)
+            monkeypatch.setattr(program, "ragged_dot_mgpu", UncheckedKernels)
+            monkeypatch.setattr(program, "transposed_ragged_dot_mgpu", UncheckedKernels)
+            results[impl] = jax.jit(jax.value_and_grad(program.loss_fn, has_aux=True))(placed, tokens)
+    (loss, _), grads = results["xla"]
+    (kernel_loss, _), kernel_grads = results["mosaic_gpu"]
+    np.testing.assert_allclose(kernel_loss, loss, rtol=1e-6)
+
+    def check(path, grad, expected):
+        atol = 1e-5 * float(jnp.abs(expected).max())
+        np.testing.assert_allclose(grad, expected, atol=atol, err_msg=jax.tree_util.keystr(path))
+
+    jax.tree_util.tree_map_with_path(check, kernel_grads, grads)

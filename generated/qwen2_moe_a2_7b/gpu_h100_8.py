@@ -198,13 +198,30 @@ def grouped_matmul(rows, weights, group_sizes):
     H100). Rows after the last group give zeros."""
     if GROUPED_MATMUL_IMPL == "xla":
         return jax.lax.ragged_dot(rows, weights, group_sizes)
+    # Inside shard_map, as ragged_dot's own rule does: the weights meet rows that vary over more mesh axes (the
+    # batch's), and the transpose of this cast sums their gradient over those axes.
+    varying = frozenset().union(*(varying_axes(a) for a in (rows, weights, group_sizes)))
+    rows, weights, group_sizes = (varying_over(a, varying) for a in (rows, weights, group_sizes))
     return mosaic_grouped_matmul(rows, weights, group_sizes)
+
+
+def varying_axes(x):
+    """The manual mesh axes (inside shard_map) over which x may differ from device to device."""
+    return jax.typeof(x).mat.varying
+
+
+def varying_over(x, axes):
+    """x typed as varying over the manual mesh `axes`. The kernels' outputs name no axes, though computed from
+    inputs that vary; shard_map's check (check_vma) refuses a gradient typed otherwise than its input, and a value
+    typed invariant would make the transpose skip the sum over the axes it varies over."""
+    missing = tuple(sorted(axes - varying_axes(x)))
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 @jax.custom_vjp
 def mosaic_grouped_matmul(rows, weights, group_sizes):
     out = ragged_dot_mgpu.ragged_dot(rows, weights, group_sizes=group_sizes, **GROUPED_MATMUL_TILES)
-    return in_groups(out, group_sizes)
+    return varying_over(in_groups(out, group_sizes), varying_axes(rows))
 
 
 def mosaic_grouped_matmul_forward(rows, weights, group_sizes):
@@ -221,7 +238,8 @@ def mosaic_grouped_matmul_backward(saved, d_out):
     d_weights = transposed_ragged_dot_mgpu.transposed_ragged_dot(
         rows, d_out, group_sizes=group_sizes, **GROUPED_MATMUL_TILES
     )
-    return in_groups(d_rows, group_sizes), d_weights, None
+    d_rows = in_groups(d_rows, group_sizes)
+    return varying_over(d_rows, varying_axes(rows)), varying_over(d_weights, varying_axes(weights)), None
 
 
 mosaic_grouped_matmul.defvjp(mosaic_grouped_matmul_forward, mosaic_grouped_matmul_backward)
