@@ -237,14 +237,17 @@ def test_gemma_block_makes_the_routed_experts_geglu_like_the_dense_mlp():
     np.testing.assert_allclose(program.expert_mlp(None, gate, up), expected, rtol=1e-6)
 
 
-def expert_parallel(tmp_path, dispatch, target="cpu-8"):
-    """moe_tiny on a mesh with its 4 experts one per device (data=2, expert=4), token copies moved by `dispatch`."""
+def expert_parallel(tmp_path, dispatch, target="cpu-8", **moe):
+    """moe_tiny on a mesh with its experts split 4 ways (data=2, expert=4), token copies moved by `dispatch`; `moe`
+    replaces fields of its F.moe."""
     spec = tmp_path / "specs" / f"moe_{dispatch}.py"
     spec.parent.mkdir(exist_ok=True)
     spec.write_text(
         "from axgen.spec import MeshRule\nfrom specs.moe_tiny import spec as moe\n"
         f"rule = MeshRule('.*', {{'data': 2, 'expert': 4}}, why='experts one per device', moe_dispatch={dispatch!r})\n"
-        "spec = moe.replace(mesh_rules=[rule])\n"
+        f"feature = moe.feature('moe').replace(**{moe!r})\n"
+        "features = [feature if f.pass_name == 'moe' else f for f in moe.features]\n"
+        "spec = moe.replace(mesh_rules=[rule], features=features)\n"
     )
     return spec
 
@@ -267,14 +270,29 @@ def test_lowering_picks_the_all_to_all_collective_the_target_compiles(tmp_path, 
     assert "dispatch=" not in default and "psum_scatter" in default
 
 
-def test_all_to_all_experts_equal_the_all_gather_path_in_value_and_gradient(tmp_path):
+@pytest.mark.parametrize(
+    "routing",
+    [
+        {},
+        dict(
+            num_experts=8,
+            scoring="sigmoid",
+            balance_bias_rate=1e-3,
+            n_group=4,
+            topk_group=2,
+            group_score="top2_sum",
+        ),
+    ],
+    ids=["mixtral", "deepseek_v3"],
+)
+def test_all_to_all_experts_equal_the_all_gather_path_in_value_and_gradient(tmp_path, routing):
     """expert=4 on the CPU mesh: the all_to_all path (a block per destination with room for every local copy) gives
     the all-gather path's loss, auxiliary losses and every gradient (x's through the embedding, the router's and
-    the experts' weights)."""
+    the experts' weights; with DeepSeek-V3's routing, 2 experts a device, the correction bias's loads too)."""
     programs = {}
     for dispatch in ("all_gather", "all_to_all"):
         out = tmp_path / f"{dispatch}.py"
-        write_atomically(out, build(expert_parallel(tmp_path, dispatch), "cpu-8").source)
+        write_atomically(out, build(expert_parallel(tmp_path, dispatch, **routing), "cpu-8").source)
         programs[dispatch] = load_program(out)
     params = programs["all_gather"].init_params(jax.random.key(1))
     tokens = jax.random.randint(jax.random.key(2), (8, 17), 0, 256)
