@@ -28,9 +28,17 @@ from axgen.hlo_cost import hlo_cost
 from axgen.loader import load_spec
 from axgen.spec import MeshRule, Remat, display_path
 
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+COLLECTIVES = (
+    "all-gather",
+    "all-reduce",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+    "ragged-all-to-all",
+)
 _ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception): .*)$", re.MULTILINE)
-_COLLECTIVE = re.compile(r"\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
+# Whole op names: all-to-all( inside ragged-all-to-all( is not one.
+_COLLECTIVE = re.compile(r"(?<![\w-])(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
 # Kernels the compiler did not write itself: Pallas (tpu_custom_call, mosaic_gpu), cuDNN and cuBLAS.
 _CUSTOM_CALL = re.compile(
     r'custom_call_target="(tpu_custom_call|mosaic_gpu[^"]*|__cudnn[^"]*|__cublas[^"]*)"'

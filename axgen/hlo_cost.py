@@ -17,7 +17,14 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+COLLECTIVES = (
+    "all-gather",
+    "all-reduce",
+    "reduce-scatter",
+    "all-to-all",
+    "collective-permute",
+    "ragged-all-to-all",
+)
 BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2}
 BYTES |= {"s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 # Instructions that move no data of their own: views, tuples, control flow whose bodies are counted themselves.
@@ -91,7 +98,7 @@ def hlo_cost(text: str) -> HloCost:
                 cross_slice[between_slices[1]] += times
                 cross_slice_bytes += times * _largest(instruction)
             if kind:
-                collectives[kind] += times * _largest(instruction) * (2 if kind == "all-reduce" else 1)
+                collectives[kind] += times * _collective_bytes(kind, instruction, shapes)
             elif name not in fused and instruction.op not in _FREE and not instruction.op.endswith("-done"):
                 operands = [shapes[o] for o in instruction.operands if o in shapes]
                 moved = _moved(instruction, operands, computations)
@@ -269,6 +276,16 @@ def _mean_taps(n_in: int, n_out: int, size: int, pad: int, stride: int, lhs_dila
 def _collective(op: str) -> str | None:
     base = op.removesuffix("-start")
     return base if base in COLLECTIVES else None
+
+
+def _collective_bytes(kind: str, instruction: Instruction, shapes: dict[str, Instruction]) -> float:
+    """The bytes a collective moves per device: its result (all-reduce: twice, as a ring sends it). A
+    ragged-all-to-all's result is its receive buffer, sized for the worst case (every device sending it all its
+    rows), and how much of it is filled depends on the routing: count what the device can send at most, its
+    first operand."""
+    if kind == "ragged-all-to-all" and instruction.operands and instruction.operands[0] in shapes:
+        return _bytes(shapes[instruction.operands[0]])
+    return _largest(instruction) * (2 if kind == "all-reduce" else 1)
 
 
 def _largest(instruction: Instruction) -> float:

@@ -18,6 +18,11 @@ Device time comes in calls of at most 10 minutes: `run` appends each row's resul
 it finishes, skips rows already there, starts no row after --max-seconds, and stops a row at --row-seconds. On the
 device: `python bench/h100.py run --out $OUT/h100.md; cp build/h100/results.jsonl $OUT/` (carry build/h100);
 copy results.jsonl back into build/h100 here before the next call, which picks up where the last one stopped.
+
+No row measures the MoE's all-to-all dispatch (MeshRule.moe_dispatch, docs/moe_dispatch.md): one H100 holds every
+expert, expert degree 1, and the lowering gives a program with unsplit experts no dispatch at all, so an
+`all_to_all` Mixtral-width row would run the very program the Mixtral-width row runs and measure nothing new. Its
+collective bytes need 8 or more GPUs (expert=8 for Mixtral's 8 experts); `axgen aot` reports them without any.
 """
 
 from __future__ import annotations

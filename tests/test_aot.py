@@ -256,3 +256,40 @@ def test_the_report_names_the_wraparound_links(tmp_path, capsys):
     )
     code, [report], _ = aot(capsys, str(spec), "--target", "tpu-v5p-64")
     assert code == 0 and report["compiled_for"].endswith("(libtpu topology v5p:4x4x4, wraparound in x y z)")
+
+
+def test_all_to_all_experts_compile_for_tpu_with_ragged_all_to_all(tmp_path, capsys):
+    """moe_dispatch='all_to_all' on TPU: each token copy goes to its expert's device by ragged-all-to-all and
+    comes back by another, in the forward and again in the backward."""
+    spec = tmp_path / "specs" / "moe_a2a.py"
+    spec.parent.mkdir()
+    spec.write_text(
+        "from axgen.spec import MeshRule\nfrom specs.moe_tiny import spec as moe\n"
+        "rule = MeshRule('.*', {'fsdp': 2, 'expert': 4}, why='ep', moe_dispatch='all_to_all')\n"
+        "spec = moe.replace(mesh_rules=[rule])\n"
+    )
+    code, [report], _ = aot(capsys, str(spec), "--target", "tpu-v5e-8")
+    assert code == 0 and report["fits"] and report["mesh"] == {"data": 1, "fsdp": 2, "expert": 4, "model": 1}
+    assert report["collectives"].get("ragged-all-to-all", 0) >= 4, report["collectives"]
+    assert report["collective_bytes"]["ragged-all-to-all"] > 0
+
+
+@pytest.mark.parametrize("dispatch", ["all_gather", "all_to_all"])
+def test_expert_parallel_moe_compiles_for_h100_with_the_mosaic_gpu_kernel_on_either_dispatch(
+    tmp_path, capsys, dispatch
+):
+    """Experts split over H100s: the Mosaic GPU kernel's outputs and gradients name no mesh axes, and its
+    custom_vjp once failed shard_map's varying-axes check (weights' gradient bfloat16[1,384,128] against
+    bfloat16[1,384,128]{V:expert}); the program types them as varying as its inputs."""
+    spec = tmp_path / "specs" / f"moe_ep_{dispatch}.py"
+    spec.parent.mkdir()
+    spec.write_text(
+        "from axgen.spec import MeshRule\nfrom specs.moe_tiny import spec as moe\n"
+        f"rule = MeshRule('.*', {{'fsdp': 2, 'expert': 4}}, why='ep', moe_dispatch={dispatch!r})\n"
+        "spec = moe.replace(mesh_rules=[rule])\n"
+    )
+    code, [report], _ = aot(capsys, str(spec), "--target", "gpu-h100-8")
+    assert code == 0 and report["fits"] and report["mesh"] == {"data": 1, "fsdp": 2, "expert": 4, "model": 1}
+    assert report["kernels"].get("mosaic_gpu_v2", 0) == 9, report["kernels"]
+    moved = "ragged-all-to-all" if dispatch == "all_to_all" else "reduce-scatter"
+    assert report["collectives"].get(moved, 0) > 0, report["collectives"]

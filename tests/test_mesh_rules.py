@@ -160,6 +160,10 @@ def test_rule_fields_are_checked_where_the_rule_is_written():
         MeshRule(r"cpu-8", {}, why="x", attention="flash")
     with pytest.raises(Exception, match=r"MeshRule.memory_fraction=1.5 is not in \(0, 1\]"):
         MeshRule(r"gpu-.*", {}, why="x", memory_fraction=1.5)
+    with pytest.raises(
+        Exception, match=r"MeshRule.moe_dispatch='ragged' is not one of all_gather, all_to_all"
+    ):
+        MeshRule(r"tpu-.*", {"expert": 4}, why="x", moe_dispatch="ragged")
     assert MeshRule(r"cpu-8", {}, why="x", remat=Remat(policy="full")).matches("cpu-8")
 
 

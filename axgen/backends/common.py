@@ -113,6 +113,11 @@ class Family:
     # compiler's default.
     topology_wrap: Callable[[str], tuple[bool, ...]] | None = None
     grouped_matmul: GroupedMatmul | None = None  # None: MoE experts use XLA's ragged_dot
+    # How a dropless MoE whose experts are split over devices moves its token copies (MeshRule.moe_dispatch), and
+    # the collective that `all_to_all` becomes here: XLA:CPU has no ragged-all-to-all, so the CPU's is
+    # jax.lax.all_to_all with room for every local copy per destination.
+    moe_dispatch: str = "all_gather"
+    moe_all_to_all: str = "all_to_all"
     # The share of each device's memory the emitted program's allocator takes; None: the runtime's own (TPU and
     # CPU programs, whose compiler or host decides).
     memory_fraction: float | None = None
@@ -152,6 +157,8 @@ class Plan:
     remat_source: str | None  # where that default was set, by file and name: what the program prints
     quantize_dtype: str  # what a quantized dot whose spec names no dtype becomes
     grouped_matmul: GroupedMatmul | None
+    moe_dispatch: str  # all_gather, or the collective the target's all_to_all dispatch takes
+    moe_dispatch_source: str  # the rule or backend default it came from
     memory_fraction: float | None
     logical_axis_rules: tuple[tuple[str, tuple[str, ...]], ...] = LOGICAL_AXIS_RULES
 
@@ -218,11 +225,20 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
         remat_source=_remat_source(rule, family),
         quantize_dtype=rule.quantize_dtype or family.quantize_dtype,
         grouped_matmul=family.grouped_matmul,
+        moe_dispatch=_moe_dispatch(rule.moe_dispatch or family.moe_dispatch, family),
+        moe_dispatch_source=(
+            rule.provenance if rule.moe_dispatch else f"backends/{family.name}.py: moe_dispatch default"
+        ),
         memory_fraction=rule.memory_fraction or family.memory_fraction,
     )
     _check_attention(plan, family, spec)
     _check_capabilities(plan, spec)
     return plan
+
+
+def _moe_dispatch(dispatch: str, family: Family) -> str:
+    """all_gather, or the collective that carries the all-to-all dispatch on this family's chips."""
+    return family.moe_all_to_all if dispatch == "all_to_all" else dispatch
 
 
 def _remat_source(rule: MeshRule, family: Family) -> str | None:

@@ -134,6 +134,9 @@ FAMILY = Family(
         unquantized_why="ragged_dot_mgpu takes no int8 or fp8 operands",
         ragged_dot_dense=True,
     ),
+    # XLA lowers jax.lax.ragged_all_to_all here: each token copy travels to its expert's device alone, with no
+    # padding to a per-destination capacity.
+    moe_all_to_all="ragged_all_to_all",
     # jax's allocator takes 75% of a GPU unless told otherwise: a Mixtral-width program that fit 74 GiB ran out of
     # memory at 60 (PLATFORM.md). 95% leaves 4 GiB to the CUDA context, cuBLAS/cuDNN workspaces and NCCL buffers.
     memory_fraction=0.95,

@@ -148,6 +148,17 @@ def grouped_matmul(g: Graph, plan: Plan) -> None:
         )
 
 
+def moe_dispatch(g: Graph, plan: Plan) -> None:
+    """How each dropless MoE whose experts are split over devices moves its token copies: the mesh rule's or the
+    backend's choice, as the collective this chip's compiler has. Unsplit experts move nothing."""
+    rules, mesh = dict(plan.logical_axis_rules), dict(plan.mesh)
+    if math.prod(mesh[a] for a in rules["expert"]) == 1:
+        return
+    for node in g.nodes(op="moe"):
+        if not node.attrs.capacity_factor:
+            g.update(node, dispatch=plan.moe_dispatch, dispatch_source=plan.moe_dispatch_source)
+
+
 def remat(g: Graph, plan: Plan) -> None:
     """Each block's policy: the spec's, else the target's default; the program's one policy (`remat_policy`:
     what it saves and offloads by checkpoint name, and why) when any block checkpoints. Under a policy, every
@@ -291,6 +302,8 @@ def summary(g: Graph, plan: Plan) -> None:
     ]
     matmuls = {n.attrs.grouped_matmul for n in g.nodes(op="moe") if not n.attrs.capacity_factor}
     chosen += [f"experts by {m}" for m in sorted(matmuls) if m != "ragged_dot"]
+    dispatches = {n.attrs.dispatch for n in g.nodes(op="moe") if not n.attrs.capacity_factor}
+    chosen += [f"expert tokens by {d}" for d in sorted(dispatches) if d != "all_gather"]
     chosen += _quantized(g)
     g.attrs["lowering_summary"] = " · ".join(chosen) + f" ({plan.backend_file})"
 
@@ -340,6 +353,7 @@ STEPS: tuple[Callable[[Graph, Plan], None], ...] = (
     attention_kernel,
     dot_kind,
     grouped_matmul,
+    moe_dispatch,
     remat,
     scan_grouping,
     aux_losses,

@@ -159,6 +159,9 @@ def family(generation: str) -> Family:
             grouped_matmul_tiles,
             unquantized_why="megablox.gmm takes bfloat16 or float32 operands only",
         ),
+        # XLA lowers jax.lax.ragged_all_to_all here: each token copy travels to its expert's device alone, with no
+        # padding to a per-destination capacity.
+        moe_all_to_all="ragged_all_to_all",
     )
 
 

@@ -41,6 +41,11 @@ class MoEAttrs(Attrs):
     tiles_source: str | None = None  # the backend table the tiles come from
     grouped_matmul_why: str | None = None
     check_vma: bool = True  # whether shard_map checks the experts' outputs name the mesh axes they vary over
+    # Set by the target's lowering where the experts are split over devices: how the dropless path moves token
+    # copies, all_gather (every token of the expert group to every device) or the all-to-all collective
+    # (ragged_all_to_all, all_to_all) that sends each copy only to its expert's device; and where that came from.
+    dispatch: str = "all_gather"
+    dispatch_source: str | None = None
     # The experts' products by the projection roles remat policies name (DotAttrs.role): under a policy, the remat
     # lowering sets `checkpointed`, and each product's output carries its role as its checkpoint name.
     roles: tuple[str, str] = ("mlp_in", "mlp_out")

@@ -13,7 +13,14 @@ from axgen.runtime.losses import cross_entropy, lm_head_cross_entropy, trained_t
 from axgen.runtime.params import ParamSpec, init_params
 from axgen.runtime.quantized_experts import fp8_ragged_dot, int8_ragged_dot
 from axgen.runtime.run import main
-from axgen.runtime.sharding import constrain, logical_to_mesh, param_shardings, shards
+from axgen.runtime.sharding import (
+    constrain,
+    logical_to_mesh,
+    param_shardings,
+    shards,
+    varying_axes,
+    varying_over,
+)
 from axgen.runtime.training import apply_gradients, gradients, summed_over_microbatches
 
 __all__ = [
@@ -34,4 +41,6 @@ __all__ = [
     "soft_cap",
     "summed_over_microbatches",
     "trained_targets",
+    "varying_axes",
+    "varying_over",
 ]

@@ -14,6 +14,8 @@ device scales what it holds: fp8's row scale is the max of the rows it computes.
 import jax
 import jax.numpy as jnp
 
+from axgen.runtime.sharding import varying_axes
+
 # Each expert's weight gradient: the groups' rows, transposed, times their output gradient ([in, out] per group).
 _PER_GROUP = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[]
@@ -109,16 +111,8 @@ def _like(cotangent, primal):
     """`cotangent` in `primal`'s dtype, summed over the mesh axes it varies over and `primal` does not: inside a
     shard_map, weights the devices of a batch axis share take the sum of their devices' gradients (what jax's own
     transpose of a shared input does)."""
-    extra = tuple(sorted(_varying(cotangent) - _varying(primal)))
+    extra = tuple(sorted(varying_axes(cotangent) - varying_axes(primal)))
     return (jax.lax.psum(cotangent, extra) if extra else cotangent).astype(primal.dtype)
-
-
-def _varying(x) -> frozenset:
-    """The mesh axes x varies over inside a shard_map that checks them (none elsewhere): the aval's
-    `manual_axis_type.varying` since jax 0.12, its `vma` before."""
-    aval = jax.typeof(x)
-    manual = getattr(aval, "manual_axis_type", None)
-    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
 
 
 fp8_ragged_dot.defvjp(_fp8_forward, _fp8_backward)

@@ -52,3 +52,22 @@ def replica_axes(rules: dict, mesh_shape) -> tuple[str, ...]:
     (data parallelism, slices over DCN)."""
     elsewhere = {axis for logical, axes in rules.items() if logical != "batch" for axis in axes}
     return tuple(axis for axis in rules["batch"] if axis not in elsewhere and mesh_shape.get(axis, 1) > 1)
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes (inside a shard_map) over which x may differ from device to device; none elsewhere.
+    jax 0.12 types them as the aval's `manual_axis_type.varying`, jax 0.11 (the H100 hosts' so far) as `vma`.
+    """
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    return frozenset(manual.varying if manual is not None else getattr(aval, "vma", ()))
+
+
+def varying_over(x, axes):
+    """x typed as varying over the manual mesh `axes` too. A Pallas kernel's outputs name no axes, though computed
+    from inputs that vary; shard_map's check refuses a gradient typed otherwise than its input, and a value typed
+    invariant would make the transpose skip the sum over the axes it varies over."""
+    missing = tuple(sorted(set(axes) - varying_axes(x)))
+    if not missing:
+        return x
+    return jax.lax.pcast(x, missing, to="varying") if hasattr(jax.lax, "pcast") else jax.lax.pvary(x, missing)

@@ -13,6 +13,10 @@ from axgen.spec.validation import SpecNode, suggest
 # Outermost first: `model` is innermost so its collectives use the fastest links between neighbouring devices.
 MESH_AXES = ("data", "fsdp", "expert", "model")
 ATTENTION_KERNELS = ("xla", "splash", "cudnn")
+# How a dropless MoE with its experts split over devices moves token copies: every token of the expert group to
+# every device (all_gather), or each copy only to its expert's device and back (all_to_all: the backend picks the
+# collective, ragged where the chip's compiler has one).
+MOE_DISPATCHES = ("all_gather", "all_to_all")
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
@@ -26,7 +30,8 @@ class MeshRule(SpecNode):
     `microbatch` is the sequences each device runs per forward and backward pass: a step whose per-device batch
     is larger accumulates gradients over `per-device batch / microbatch` passes. `attention_block` is the query
     and key/value block length of the splash attention kernel. `memory_fraction` is the share of each device's
-    memory the program's allocator takes (GPU), and what `axgen aot` checks the peak against."""
+    memory the program's allocator takes (GPU), and what `axgen aot` checks the peak against. `moe_dispatch` is how
+    a dropless MoE whose experts are split over devices moves its token copies (MOE_DISPATCHES)."""
 
     pattern: str
     mesh: dict[str, int]
@@ -39,6 +44,7 @@ class MeshRule(SpecNode):
     remat: Remat | None = None
     quantize_dtype: str | None = None
     memory_fraction: float | None = None
+    moe_dispatch: str | None = None
     xla_flags: tuple[str, ...] = ()
 
     def validate(self) -> None:
@@ -59,6 +65,7 @@ class MeshRule(SpecNode):
             ("compute_dtype", COMPUTE_DTYPES),
             ("attention", ATTENTION_KERNELS),
             ("quantize_dtype", QUANTIZE_DTYPES),
+            ("moe_dispatch", MOE_DISPATCHES),
         ):
             value = getattr(self, name)
             if value is not None and value not in known:

@@ -280,9 +280,7 @@ def moe_dropless_on_device(
     up = checkpoint_name(matmul(rows, w_up, group_sizes), "mlp_in")
     if biases is not None:
         b_gate, b_up, b_down = biases
-        row_expert = jnp.minimum(
-            experts[order], num_experts_here - 1
-        )  # rows of other devices' experts: zeroed below
+        row_expert = jnp.minimum(experts[order], num_experts_here - 1)  # rows in no group: zeroed below
         if mlp_axes:
             b_down = jnp.where(jax.lax.axis_index(mlp_axes) == 0, b_down, 0)
         gate, up = gate + b_gate[row_expert], up + b_up[row_expert]

@@ -189,13 +189,17 @@ def grouped_matmul(rows, weights, group_sizes):
     H100). Rows after the last group give zeros."""
     if GROUPED_MATMUL_IMPL == "xla":
         return jax.lax.ragged_dot(rows, weights, group_sizes)
+    # Inside shard_map, as ragged_dot's own rule does: the weights meet rows that vary over more mesh axes (the
+    # batch's), and the transpose of this cast sums their gradient over those axes.
+    varying = frozenset().union(*(runtime.varying_axes(a) for a in (rows, weights, group_sizes)))
+    rows, weights, group_sizes = (runtime.varying_over(a, varying) for a in (rows, weights, group_sizes))
     return mosaic_grouped_matmul(rows, weights, group_sizes)
 
 
 @jax.custom_vjp
 def mosaic_grouped_matmul(rows, weights, group_sizes):
     out = ragged_dot_mgpu.ragged_dot(rows, weights, group_sizes=group_sizes, **GROUPED_MATMUL_TILES)
-    return in_groups(out, group_sizes)
+    return runtime.varying_over(in_groups(out, group_sizes), runtime.varying_axes(rows))
 
 
 def mosaic_grouped_matmul_forward(rows, weights, group_sizes):
@@ -212,7 +216,12 @@ def mosaic_grouped_matmul_backward(saved, d_out):
     d_weights = transposed_ragged_dot_mgpu.transposed_ragged_dot(
         rows, d_out, group_sizes=group_sizes, **GROUPED_MATMUL_TILES
     )
-    return in_groups(d_rows, group_sizes), d_weights, None
+    d_rows = in_groups(d_rows, group_sizes)
+    return (
+        runtime.varying_over(d_rows, runtime.varying_axes(rows)),
+        runtime.varying_over(d_weights, runtime.varying_axes(weights)),
+        None,
+    )
 
 
 mosaic_grouped_matmul.defvjp(mosaic_grouped_matmul_forward, mosaic_grouped_matmul_backward)
