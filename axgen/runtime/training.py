@@ -47,16 +47,21 @@ def gradients(loss_fn, params, batch, microbatch: int, specs, rules: dict):
     pass takes rows from every device, and no tokens move. The number of passes follows from the batch (`--batch`),
     so a larger batch keeps the pass the spec's rule sized and takes more of them.
 
-    Over several passes, the devices along the `replica_axes` (data parallelism; slices, whose links are the
-    data-centre network) sum their own passes' gradients apart and reduce them once, after the last pass: a
-    reduction per pass would cross those links `passes` times a step."""
+    Over several passes on a data x fsdp mesh, the devices along the `replica_axes` (data parallelism; slices,
+    whose links are the data-centre network) sum their own passes' gradients apart and reduce them once, after the
+    last pass: a reduction per pass would cross those links `passes` times a step."""
     accum_steps = _accumulation_steps(batch, microbatch, rules)
     if accum_steps == 1:
         return jax.value_and_grad(loss_fn, has_aux=True)(params, *batch)
     mesh = jax.sharding.get_abstract_mesh()
     replicas = () if mesh.empty else replica_axes(rules, dict(mesh.shape))
     accumulate = functools.partial(_accumulated, loss_fn, accum_steps=accum_steps, specs=specs, rules=rules)
-    if not replicas:
+    others = {axis for axis, size in mesh.shape.items() if size > 1 and axis not in replicas}
+    if not replicas or others - {"fsdp"}:
+        # Only data x fsdp meshes reduce once: with a model or expert axis beside them, XLA cannot partition the
+        # step inside a shard_map manual over the replicas (jax 0.12: "Check failed: partition_group_list" in
+        # spmd_partitioner_util.cc with data, fsdp and model or expert all over 1; on GPU cuDNN attention's custom
+        # partitioning meets a GSPMDSharding with data x model). There the passes' gradients meet once a pass.
         return accumulate(params, batch)
 
     def on_replica(params, batch):
