@@ -75,6 +75,8 @@ TRANSFORMERS_PARAMS |= {
     "deepseek-v3.1": 671_026_404_352,
     "deepseek-r1": 671_026_404_352,
 }
+
+
 # The published configs axgen refuses, with the start of the line that says why.
 def test_the_corpus_is_what_sources_json_says():
     assert {p.stem for p in CORPUS.glob("*.json")} - {"sources"} == set(SOURCES)
