@@ -1,5 +1,6 @@
 """The emitted forward against HF transformers' LlamaForCausalLM (fixtures made by tests/fixtures/make_hf_fixtures.py)."""
 
+import ast
 import json
 
 import jax
@@ -108,4 +109,14 @@ def test_sliding_window_every_other_layer_keeps_full_attention(tmp_path):
     windows = {n.region: n.attrs.window for n in built.graph.nodes(op="attention")}
     assert windows == {"layers": 16, "global_layers": None}
     assert [b.repeat for b in built.graph.blocks()] == [2, 2]
-    assert "local_window_size=(15, 0)" in built.source and "def global_decoder_layer(" in built.source
+    calls = [
+        call
+        for call in ast.walk(ast.parse(built.source))
+        if isinstance(call, ast.Call) and ast.unparse(call.func) == "runtime.causal_attention"
+    ]
+    # One call a layer function: the local layers' with their window, the global layers' without.
+    assert sorted(str({k.arg: ast.unparse(k.value) for k in c.keywords}.get("window")) for c in calls) == [
+        "16",
+        "None",
+    ]
+    assert "def global_decoder_layer(" in built.source
