@@ -303,7 +303,7 @@ def _deepseek_v2(spec: Model) -> dict:
     """DeepSeek-V2: MLA's dims, DeepSeek-MoE in every layer (greedy softmax top-k, not renormalised, scaled by
     routed_scaling_factor, a shared expert of n_shared_experts experts' width), and the softmax scale as transformers
     derives it: qk_head_dim**-0.5 times YaRN's mscale(factor, mscale_all_dim)**2."""
-    mla, moe, rope = spec.feature("mla"), spec.feature("moe"), spec.feature("rope")
+    moe, rope = spec.feature("moe"), spec.feature("rope")
     width = spec.decoder.mlp.hidden_dim
     if moe is None or moe.every != 1 or moe.capacity_factor is not None:
         raise CheckpointError(f"{spec.origin}: DeepSeek-V2 in HF routes experts dropless in every layer")
@@ -311,10 +311,6 @@ def _deepseek_v2(spec: Model) -> dict:
         raise CheckpointError(
             f"{moe.origin}: DeepSeek-V2 in HF keeps the top-k weights as they are and shares an ungated expert "
             f"of a whole number of experts' width ({width})"
-        )
-    if mla.eps != 1e-6:
-        raise CheckpointError(
-            f"{mla.origin}: MLA.eps={mla.eps!r}: DeepSeek-V2 in HF norms its latents with 1e-6"
         )
     if not rope.interleaved:
         raise CheckpointError(
@@ -332,6 +328,28 @@ def _deepseek_v2(spec: Model) -> dict:
                 f"{moe.origin}: MoE.{field}={getattr(moe, field)!r}: DeepSeek-V2 in HF scores by softmax with no "
                 "correction bias or sequence-wise loss, and ranks groups by their best expert (group_score='max')"
             )
+    return (
+        _deepseek_attention(spec, "V2")
+        | _deepseek_experts(moe, width)
+        | {
+            "topk_method": "greedy" if moe.n_group is None else "group_limited_greedy",
+            "n_group": moe.n_group,
+            "topk_group": moe.topk_group,
+            "norm_topk_prob": False,
+            "aux_loss_alpha": moe.aux_loss_weight or 0.0,
+        }
+        | _deepseek_dense_layers(moe, width)
+    )
+
+
+def _deepseek_attention(spec: Model, version: str) -> dict:
+    """MLA's dims, and the softmax scale as transformers' DeepSeek derives it: qk_head_dim**-0.5 times YaRN's
+    mscale(factor, mscale_all_dim)**2."""
+    mla, rope = spec.feature("mla"), spec.feature("rope")
+    if mla.eps != 1e-6:
+        raise CheckpointError(
+            f"{mla.origin}: MLA.eps={mla.eps!r}: DeepSeek-{version} in HF norms its latents with 1e-6"
+        )
     qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
     scaling = _rope_scaling(rope.scaling)
     scale = spec.decoder.attention.scale
@@ -345,17 +363,18 @@ def _deepseek_v2(spec: Model) -> dict:
         "qk_nope_head_dim": mla.qk_nope_head_dim,
         "qk_rope_head_dim": mla.qk_rope_head_dim,
         "v_head_dim": mla.v_head_dim,
+    }
+
+
+def _deepseek_experts(moe, width: int) -> dict:
+    """DeepSeek-MoE's routed and shared experts: the shared expert is a whole number of experts' width."""
+    return {
         "n_routed_experts": moe.num_experts,
         "num_experts_per_tok": moe.top_k,
         "n_shared_experts": moe.shared_hidden_dim // width,
         "moe_intermediate_size": width,
         "routed_scaling_factor": moe.routed_scale or 1.0,
-        "topk_method": "greedy" if moe.n_group is None else "group_limited_greedy",
-        "n_group": moe.n_group,
-        "topk_group": moe.topk_group,
-        "norm_topk_prob": False,
-        "aux_loss_alpha": moe.aux_loss_weight or 0.0,
-    } | _deepseek_dense_layers(moe, width)
+    }
 
 
 def _deepseek_dense_layers(moe, width: int) -> dict:
@@ -374,17 +393,13 @@ def _deepseek_v3(spec: Model) -> dict:
     experts, norm_topk_prob, routed_scaling_factor and the shared experts. No multi-token-prediction layers are
     trained here, so none are written (num_nextn_predict_layers 0). The keys of DeepSeek's own configs
     (topk_method, scoring_func, seq_aux, aux_loss_alpha: the sequence-wise loss's weight) are written too."""
-    mla, moe, rope = spec.feature("mla"), spec.feature("moe"), spec.feature("rope")
+    moe, rope = spec.feature("moe"), spec.feature("rope")
     width = spec.decoder.mlp.hidden_dim
     if moe.every != 1 or moe.capacity_factor is not None:
         raise CheckpointError(f"{spec.origin}: DeepSeek-V3 in HF routes experts dropless in every MoE layer")
     if moe.shared_gate or not moe.shared_hidden_dim or moe.shared_hidden_dim % width:
         raise CheckpointError(
             f"{moe.origin}: DeepSeek-V3 in HF shares an ungated expert of a whole number of experts' width ({width})"
-        )
-    if mla.eps != 1e-6:
-        raise CheckpointError(
-            f"{mla.origin}: MLA.eps={mla.eps!r}: DeepSeek-V3 in HF norms its latents with 1e-6"
         )
     v3_routing = {
         "balance_bias_rate": moe.balance_bias_rate is not None,
@@ -398,35 +413,23 @@ def _deepseek_v3(spec: Model) -> dict:
                 "correction bias, ranks groups by their two best experts (group_score='top2_sum') and has no "
                 "Switch balance loss"
             )
-    qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
-    scaling = _rope_scaling(rope.scaling)
-    scale = spec.decoder.attention.scale
-    if scale is not None and scale != qk**-0.5:
-        scaling = (scaling or {}) | {"mscale_all_dim": _mscale_all_dim(spec, scale, qk)}
-    return {
-        "head_dim": mla.qk_rope_head_dim,
-        "rope_scaling": scaling,
-        "rope_interleave": rope.interleaved,
-        "q_lora_rank": mla.q_lora_rank,
-        "kv_lora_rank": mla.kv_lora_rank,
-        "qk_nope_head_dim": mla.qk_nope_head_dim,
-        "qk_rope_head_dim": mla.qk_rope_head_dim,
-        "v_head_dim": mla.v_head_dim,
-        "n_routed_experts": moe.num_experts,
-        "num_experts_per_tok": moe.top_k,
-        "n_shared_experts": moe.shared_hidden_dim // width,
-        "moe_intermediate_size": width,
-        "routed_scaling_factor": moe.routed_scale or 1.0,
-        # Without groups every expert is one group's: noaux_tc over one group chooses among them all.
-        "n_group": moe.n_group or 1,
-        "topk_group": moe.topk_group or 1,
-        "norm_topk_prob": moe.renormalize,
-        "num_nextn_predict_layers": 0,
-        "topk_method": "noaux_tc",
-        "scoring_func": "sigmoid",
-        "seq_aux": True,
-        "aux_loss_alpha": moe.seq_aux_loss_weight,
-    } | _deepseek_dense_layers(moe, width)
+    return (
+        _deepseek_attention(spec, "V3")
+        | _deepseek_experts(moe, width)
+        | {
+            "rope_interleave": rope.interleaved,
+            # Without groups every expert is one group's: noaux_tc over one group chooses among them all.
+            "n_group": moe.n_group or 1,
+            "topk_group": moe.topk_group or 1,
+            "norm_topk_prob": moe.renormalize,
+            "num_nextn_predict_layers": 0,
+            "topk_method": "noaux_tc",
+            "scoring_func": "sigmoid",
+            "seq_aux": True,
+            "aux_loss_alpha": moe.seq_aux_loss_weight,
+        }
+        | _deepseek_dense_layers(moe, width)
+    )
 
 
 def _mscale_all_dim(spec: Model, scale: float, qk: int) -> float:
