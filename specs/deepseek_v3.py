@@ -82,14 +82,17 @@ spec = Model(
         warmup_steps=10,
         optimizer=AdamW(lr=1e-05),
     ),
-    targets=["tpu-v5p-1024", "gpu-h100-256", "cpu-8"],
-    # 671B with Adam moments is about 10.7 TB: fully sharded over every chip, one sequence per pass, full remat,
-    # as qwen3_235b_a22b. Not yet shown to fit by `axgen aot` (too slow on this host).
+    targets=["tpu-v5p-1024", "gpu-h100-512", "cpu-8"],
+    # 671B with Adam moments is about 10.7 TB. Fully sharded over every chip, the experts' weights gathered a layer
+    # at a time would be 22.5 GB (all 256 experts, bf16) on each: the experts are split 8 ways (32 a chip) and the
+    # rest of the mesh is fsdp, over which the non-expert weights are split too. One sequence per pass, full
+    # remat. `axgen aot` (docs/aot.md): tpu-v5p-1024 40.61 GiB of 95.0, gpu-h100-512 52.07 GiB of 75.2;
+    # gpu-h100-256 needs 82.10 with expert=8 and 99.10 with expert=16.
     mesh_rules=[
         MeshRule(
             r"(tpu-v5p|gpu-h100)-\d+",
-            {"fsdp": -1},
-            why="671B MoE: fully sharded, one sequence per pass, full remat",
+            {"fsdp": -1, "expert": 8},
+            why="671B MoE: experts split 8 ways, the rest fully sharded, one sequence per pass, full remat",
             microbatch=1,
             remat=Remat(policy="full"),
         ),

@@ -373,3 +373,45 @@ def test_final_softcap_caps_the_logits_the_loss_sees(tmp_path):
     logits = plain.forward(params, tokens)
     np.testing.assert_allclose(capped.forward(params, tokens), 0.5 * jnp.tanh(logits / 0.5), atol=1e-6)
     assert float(jnp.abs(capped.forward(params, tokens)).max()) <= 0.5 < float(jnp.abs(logits).max())
+
+
+def test_a_rules_later_mesh_axes_are_fallbacks_taken_while_they_divide():
+    """A dimension takes its rule's axes in order while the product divides it, so fsdp x expert = 128 x 8 shards
+    a 7168-wide embed both ways (7 a device) and a 1536-wide latent over fsdp alone (1536 / 1024 is no integer);
+    an axis an earlier dimension took is skipped."""
+    from axgen.backends.common import LOGICAL_AXIS_RULES
+    from axgen.runtime.sharding import logical_to_mesh
+
+    rules, mesh = dict(LOGICAL_AXIS_RULES), {"data": 1, "fsdp": 128, "expert": 8, "model": 1}
+    assert logical_to_mesh(rules, ("embed", "heads"), (7168, 128), mesh) == jax.sharding.PartitionSpec(
+        ("fsdp", "expert"), None
+    )
+    P = jax.sharding.PartitionSpec
+    assert logical_to_mesh(rules, ("latent", "heads", "head_dim"), (1536, 128, 192), mesh) == P(
+        "fsdp", None, None
+    )
+    assert logical_to_mesh(rules, ("expert", "embed", "mlp"), (256, 7168, 2048), mesh) == P(
+        "expert", "fsdp", None
+    )
+    assert logical_to_mesh(rules, ("embed",), (7000,), mesh) == P("expert")  # 7000 / 128 is no integer
+    assert logical_to_mesh(rules, ("embed",), (7001,), mesh) == P(None)
+
+
+def test_deepseek_v3_on_its_tpu_slice_holds_no_large_param_whole():
+    """Each of DeepSeek-V3's 671,026,404,352 params (transformers' count) is on 1,024 chips: a chip holds about a
+    1,024th. MLA's up-projections [layers, latent, heads, head_dim] were once whole on every chip (latent had no
+    rule): 3.98B params a chip."""
+    from axgen.runtime.sharding import logical_to_mesh, shards
+
+    program = load_program(ROOT / "generated/deepseek_v3/tpu_v5p_1024.py")
+    mesh = program.MESH_SHAPE
+    per_device = {}
+    for path, param in jax.tree_util.tree_leaves_with_path(
+        program.PARAMS, is_leaf=lambda x: hasattr(x, "axes")
+    ):
+        spec = logical_to_mesh(program.LOGICAL_AXIS_RULES, param.axes, param.shape, mesh)
+        split = np.prod([shards(entry, mesh) for entry in spec])
+        per_device[jax.tree_util.keystr(path)] = int(np.prod(param.shape)) // split
+        if np.prod(param.shape) > 2**20:
+            assert split >= 128, f"{jax.tree_util.keystr(path)} {param.axes} {param.shape}: {spec}"
+    assert sum(per_device.values()) < 1.1 * 671_026_404_352 / 1024

@@ -13,18 +13,23 @@ from axgen.spec import MESH_AXES, MeshRule, Model, Remat, SpecError
 GIB = 1024**3
 
 # Logical axis -> mesh axes, in MaxText's style. A mesh axis already used by an earlier dimension of the same
-# tensor is skipped, so activations [batch, seq, embed] shard batch over data x fsdp and leave embed whole, while
+# tensor is skipped, and one that would not divide the dimension with those taken before it (later axes are
+# fallbacks), so activations [batch, seq, embed] shard batch over data x fsdp and leave embed whole, while
 # weights [embed, heads, head_dim] shard embed over fsdp and heads over model. Outside the experts, the expert
-# mesh axis is one more data-parallel axis, as in MaxText.
+# mesh axis is one more data-parallel axis and one more fsdp axis of the weights, as in MaxText (its `embed`
+# and `q_lora`/`kv_lora` rules); the experts' own weights [expert, embed, mlp] have given it to `expert`.
 # Every logical axis the IR names has a rule; those not listed here are replicated.
 _SHARDED = {
     "batch": ("data", "fsdp", "expert"),
-    "embed": ("fsdp",),
+    "embed": ("fsdp", "expert"),
     "heads": ("model",),
     "kv_heads": ("model",),
     "mlp": ("model",),
     "vocab": ("model",),
     "expert": ("expert",),
+    # MLA's up-projections [latent, heads, head_dim] would otherwise be whole on every device of an fsdp mesh
+    # (heads go to `model`): DeepSeek-V3's are 3.2B params a device, 37 GB with their Adam moments.
+    "latent": ("fsdp", "expert"),
 }
 LOGICAL_AXIS_RULES: tuple[tuple[str, tuple[str, ...]], ...] = tuple(
     (axis, _SHARDED.get(axis, ())) for axis in LOGICAL_AXES

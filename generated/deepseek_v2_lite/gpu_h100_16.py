@@ -82,14 +82,14 @@ MICROBATCH = 1
 LOGICAL_AXIS_RULES = {
     "batch": ("data", "fsdp", "expert"),
     "seq": (),
-    "embed": ("fsdp",),
+    "embed": ("fsdp", "expert"),
     "heads": ("model",),
     "kv_heads": ("model",),
     "head_dim": (),
     "mlp": ("model",),
     "vocab": ("model",),
     "expert": ("expert",),
-    "latent": (),
+    "latent": ("fsdp", "expert"),
     "layers": (),
 }
 

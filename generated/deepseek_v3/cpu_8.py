@@ -78,14 +78,14 @@ MICROBATCH = 4
 LOGICAL_AXIS_RULES = {
     "batch": ("data", "fsdp", "expert"),
     "seq": (),
-    "embed": ("fsdp",),
+    "embed": ("fsdp", "expert"),
     "heads": ("model",),
     "kv_heads": ("model",),
     "head_dim": (),
     "mlp": ("model",),
     "vocab": ("model",),
     "expert": ("expert",),
-    "latent": (),
+    "latent": ("fsdp", "expert"),
     "layers": (),
 }
 

@@ -88,7 +88,7 @@ SPLASH_BLOCK = 128  # query and key/value block length of the splash kernel
 LOGICAL_AXIS_RULES = {
     "batch": ("data", "fsdp", "expert"),
     "seq": (),
-    "embed": ("fsdp",),
+    "embed": ("fsdp", "expert"),
     "heads": ("model",),
     "kv_heads": ("model",),
     "head_dim": (),

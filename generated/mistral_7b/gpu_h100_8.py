@@ -79,7 +79,7 @@ MICROBATCH = 2
 LOGICAL_AXIS_RULES = {
     "batch": ("data", "fsdp", "expert"),
     "seq": (),
-    "embed": ("fsdp",),
+    "embed": ("fsdp", "expert"),
     "heads": ("model",),
     "kv_heads": ("model",),
     "head_dim": (),

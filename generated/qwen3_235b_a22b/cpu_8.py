@@ -77,7 +77,7 @@ MICROBATCH = 4
 LOGICAL_AXIS_RULES = {
     "batch": ("data", "fsdp", "expert"),
     "seq": (),
-    "embed": ("fsdp",),
+    "embed": ("fsdp", "expert"),
     "heads": ("model",),
     "kv_heads": ("model",),
     "head_dim": (),
