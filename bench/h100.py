@@ -67,7 +67,9 @@ FLAGS = {
     "no Triton gemms (cuBLAS only)": "--xla_gpu_enable_triton_gemm=false",
     "while-loop double buffering": "--xla_gpu_enable_while_loop_double_buffering=true",
 }
-KERNEL_SWITCH = 'GROUPED_MATMUL_IMPL = "xla" if os.environ.get("AXGEN_XLA_KERNELS") == "1" else "mosaic_gpu"'
+KERNEL_SWITCH = (
+    'GROUPED_MATMUL_IMPL = "ragged_dot" if os.environ.get("AXGEN_XLA_KERNELS") == "1" else "mosaic_gpu"'
+)
 PLAN_TOP = 5
 RESULTS = "results.jsonl"
 # What the programs import that the H100 machine lacks (PLATFORM.md): pure Python or abi3, any CPython 3.
@@ -163,7 +165,7 @@ def _program_rows(out, spec, name, target, build, compile_target) -> list[dict]:
     rows = [_row(name, program, report)]
     if KERNEL_SWITCH in source:
         ragged = out / f"{spec.stem}_ragged_dot.py"
-        ragged.write_text(source.replace(KERNEL_SWITCH, 'GROUPED_MATMUL_IMPL = "xla"'))
+        ragged.write_text(source.replace(KERNEL_SWITCH, 'GROUPED_MATMUL_IMPL = "ragged_dot"'))
         rows = [
             _row(f"{name}, ragged_dot", ragged, report),
             _row(f"{name}, Mosaic GPU kernel", program, report),

@@ -10,6 +10,7 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 
+import ast  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -72,3 +73,21 @@ def python_result(*argv: str) -> subprocess.CompletedProcess:
         cwd=ROOT,
         env=PROGRAM_ENV,
     )
+
+
+def moe_calls(source: str) -> list[dict[str, str]]:
+    """The keywords of each runtime.moe_dropless / runtime.moe_with_capacity call in a program's source, as
+    source text: what the program passes the library for each moe node."""
+    return [
+        {k.arg: ast.unparse(k.value) for k in call.keywords}
+        for call in ast.walk(ast.parse(source))
+        if isinstance(call, ast.Call)
+        and ast.unparse(call.func) in ("runtime.moe_dropless", "runtime.moe_with_capacity")
+    ]
+
+
+def moe_options(program) -> dict:
+    """The options of a loaded program's first MoE call, evaluated in the program's namespace (its Routing, kernel
+    switch, tiles, rules), less those that name its params (`p[...]`: the correction bias, the biases)."""
+    first, *_ = moe_calls(Path(program.__file__).read_text())
+    return {k: eval(v, vars(program)) for k, v in first.items() if "p[" not in v}

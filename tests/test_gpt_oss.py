@@ -12,8 +12,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import save_file
-from tests.conftest import ROOT
+from tests.conftest import ROOT, moe_options
 
+from axgen import runtime
 from axgen.build import build
 from axgen.cli import main as axgen
 from axgen.files import write_atomically
@@ -52,7 +53,10 @@ def test_clamped_swiglu_by_hand(tmp_path):
     gate, up = (jnp.linspace(-0.2, 0.2, 9) * s for s in (1.0, -1.5))
     g, u = np.minimum(np.asarray(gate), 0.05), np.clip(np.asarray(up), -0.05, 0.05)
     expected = (u + 1) * g / (1 + np.exp(-1.702 * g))
-    np.testing.assert_allclose(program.expert_mlp(None, gate, up), expected, rtol=1e-6)
+    options = moe_options(program)
+    clamped = {k: options[k] for k in ("activation", "swiglu_limit", "swiglu_alpha")}
+    assert clamped == {"activation": "clamped_swiglu", "swiglu_limit": 0.05, "swiglu_alpha": 1.702}
+    np.testing.assert_allclose(runtime.expert_mlp(gate, up, **clamped), expected, rtol=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -2,9 +2,11 @@
 backward runs the transposed kernel for the weights' gradient), with tiles the backend chose for the experts'
 widths; other chips, and widths the kernel cannot tile, keep XLA's ragged_dot, and the emitted code says why.
 
-The kernels run here under Pallas's GPU interpreter on CPU, and must give ragged_dot's values and gradients.
+The kernels (runtime.grouped_matmul) run here under Pallas's GPU interpreter on CPU, and must give ragged_dot's
+values and gradients.
 """
 
+import functools
 import types
 
 import jax
@@ -14,12 +16,14 @@ import pytest
 from jax._src import config as jax_config
 from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
 
+from axgen import runtime
 from axgen.backends import gpu
 from axgen.build import build, lowered
 from axgen.interop import load_program
 from axgen.loader import load_spec
+from axgen.runtime import moe
 from axgen.spec import MeshRule
-from tests.conftest import ROOT
+from tests.conftest import ROOT, moe_calls, moe_options
 
 MIXTRAL, QWEN_MOE = ROOT / "specs/mixtral_8x7b.py", ROOT / "specs/qwen2_moe_a2_7b.py"
 PROGRAM = ROOT / "generated/features_tiny/gpu_h100_8.py"  # embed 128 -> mlp 384 experts, gated shared expert
@@ -45,17 +49,20 @@ def test_h100_programs_use_mosaic_gpu_tpu_programs_megablox_and_cpu_programs_rag
     mixtral = build(MIXTRAL, "gpu-h100-64").source
     assert "experts by mosaic_gpu" in mixtral.splitlines()[4]
     assert (
-        "from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu" in mixtral
+        'GROUPED_MATMUL_IMPL = "ragged_dot" if os.environ.get("AXGEN_XLA_KERNELS") == "1" else "mosaic_gpu"'
+        in mixtral
     )
-    # Each MoE layer passes the kernel its node was lowered to; the experts' products go through it.
-    assert "top_k=2, matmul=grouped_matmul" in mixtral
-    assert 'up = checkpoint_name(matmul(rows, w_up, group_sizes), "mlp_in")' in mixtral
+    # Each MoE layer passes the kernel its node was lowered to, with its tiles, and the remat names of its products.
+    (call,) = moe_calls(mixtral)
+    assert (call["kernel"], call["tiles"]) == ("GROUPED_MATMUL_IMPL", "GROUPED_MATMUL_TILES")
+    assert call["checkpoint_names"] == "('mlp_in', 'mlp_out')"
     tpu = build(MIXTRAL, "tpu-v5p-256").source
-    assert "experts by megablox_gmm" in tpu.splitlines()[4] and "ragged_dot_mgpu" not in tpu
+    assert "experts by megablox_gmm" in tpu.splitlines()[4] and 'else "megablox_gmm"' in tpu
     assert '"tm": 512, "tk": 1024, "tn": 1024' in tpu
+    assert moe_calls(tpu)[0]["kernel"] == "GROUPED_MATMUL_IMPL"
     cpu = build(MIXTRAL, "cpu-8").source
-    assert "grouped_matmul" not in cpu and "megablox" not in cpu
-    assert "matmul=jax.lax.ragged_dot" in cpu and 'p["w_down"], top_k=2\n' in cpu
+    assert "GROUPED_MATMUL" not in cpu and "megablox" not in cpu
+    assert [{k for k in call if k in ("kernel", "tiles", "quantize")} for call in moe_calls(cpu)] == [set()]
 
 
 def test_experts_the_kernel_cannot_tile_keep_ragged_dot_and_the_program_says_why(tmp_path):
@@ -71,7 +78,9 @@ def test_experts_the_kernel_cannot_tile_keep_ragged_dot_and_the_program_says_why
         "    # XLA's ragged_dot: mosaic_gpu: embed=128 and mlp=200 per device are not both multiples of 64.\n"
         in source
     )
-    assert "ragged_dot_mgpu" not in source and "experts by" not in source
+    assert (
+        "GROUPED_MATMUL" not in source and "kernel" not in moe_calls(source)[0] and "experts by" not in source
+    )
 
 
 def test_tiles_are_chosen_for_the_widths_one_device_holds():
@@ -98,10 +107,11 @@ def program():
     return load_program(PROGRAM)
 
 
-def _grads(program, impl, f, *args):
-    kernel, program.GROUPED_MATMUL_IMPL = program.GROUPED_MATMUL_IMPL, impl
-    value, grads = jax.value_and_grad(f, argnums=tuple(range(len(args) - 1)))(*args)
-    program.GROUPED_MATMUL_IMPL = kernel
+def _grads(kernel, f, *args):
+    """f's value and gradients with the experts' products by `kernel`, f taking the kernel as its last argument."""
+    value, grads = jax.value_and_grad(
+        functools.partial(f, kernel=kernel), argnums=tuple(range(len(args) - 1))
+    )(*args)
     return jax.tree.map(lambda x: np.asarray(x, np.float32), (value, grads))
 
 
@@ -120,13 +130,15 @@ def test_kernel_and_its_gradients_equal_ragged_dot_with_empty_groups_and_rows_af
     cotangent = jax.random.normal(keys[2], (200, 384), jnp.float32)
     group_sizes = jnp.array([70, 0, 81, 20], jnp.int32)  # 171 rows in groups: the last 29 are in none
 
-    def loss(rows, weights, group_sizes):
-        out = program.grouped_matmul(rows, weights, group_sizes).astype(jnp.float32)
+    def loss(rows, weights, group_sizes, kernel):
+        out = runtime.grouped_matmul(
+            rows, weights, group_sizes, kernel=kernel, tiles=program.GROUPED_MATMUL_TILES
+        )
         assert out.shape == (200, 384)
-        return jnp.sum(out * cotangent)
+        return jnp.sum(out.astype(jnp.float32) * cotangent)
 
-    kernel = _grads(program, "mosaic_gpu", loss, rows, weights, group_sizes)
-    xla = _grads(program, "xla", loss, rows, weights, group_sizes)
+    kernel = _grads("mosaic_gpu", loss, rows, weights, group_sizes)
+    xla = _grads("ragged_dot", loss, rows, weights, group_sizes)
     _assert_close(kernel, xla)
     assert np.abs(kernel[1][0][171:]).max() == 0 and np.abs(kernel[1][1][1]).max() == 0
 
@@ -150,27 +162,26 @@ def test_the_programs_experts_give_ragged_dots_loss_and_gradients_through_the_ke
     layer = jax.tree.map(lambda w: w[0], params)
     x = jax.random.normal(jax.random.key(1), (2, 16, 128), jnp.bfloat16)
     logits = jax.random.normal(jax.random.key(2), (2, 16, 4), jnp.float32)
+    # The program's own options for its MoE layer (routing, activation, tiles), the kernel swapped in below.
+    options = moe_options(program)
+    assert options.pop("kernel") == kernel
     calls = []
-    grouped_matmul = program.grouped_matmul
+    grouped_matmul = moe.grouped_matmul
 
-    def counted(*args):
-        calls.append(program.GROUPED_MATMUL_IMPL)
-        return grouped_matmul(*args)
+    def counted(*args, **kwargs):
+        calls.append(kwargs["kernel"])
+        return grouped_matmul(*args, **kwargs)
 
-    def loss(x, w_gate, w_up, w_down, logits):
-        out, aux = program.moe_dropless_on_device(
-            x, logits, w_gate, w_up, w_down, top_k=2, matmul=program.grouped_matmul
-        )
+    def loss(x, w_gate, w_up, w_down, logits, kernel):
+        out, aux = runtime.moe_dropless(x, logits, w_gate, w_up, w_down, **options, kernel=kernel)
         return jnp.sum(out.astype(jnp.float32) ** 2) + aux["load_balance_loss"]
 
     args = (x, layer["w_gate"], layer["w_up"], layer["w_down"], logits)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(program, "grouped_matmul", counted)
-        through_kernel = _grads(program, kernel, loss, *args)
-    assert (
-        calls == [kernel] * 3
-    ), "each of the experts' three products goes through the program's grouped matmul"
-    _assert_close(through_kernel, _grads(program, "xla", loss, *args))
+        patch.setattr(moe, "grouped_matmul", counted)
+        through_kernel = _grads(kernel, loss, *args)
+    assert calls == [kernel] * 3, "each of the experts' three products goes through the grouped matmul"
+    _assert_close(through_kernel, _grads("ragged_dot", loss, *args))
 
 
 @pytest.fixture
@@ -189,10 +200,13 @@ def test_megablox_and_its_gradients_equal_ragged_dot_with_rows_after_the_last_gr
     cotangent = jax.random.normal(keys[2], (256, 384), jnp.float32)
     group_sizes = jnp.array([70, 0, 81, 20], jnp.int32)  # the last 85 rows are in no group
 
-    def loss(rows, weights, group_sizes):
-        return jnp.sum(program.grouped_matmul(rows, weights, group_sizes).astype(jnp.float32) * cotangent)
+    def loss(rows, weights, group_sizes, kernel):
+        out = runtime.grouped_matmul(
+            rows, weights, group_sizes, kernel=kernel, tiles=program.GROUPED_MATMUL_TILES
+        )
+        return jnp.sum(out.astype(jnp.float32) * cotangent)
 
-    kernel = _grads(program, "megablox_gmm", loss, rows, weights, group_sizes)
-    xla = _grads(program, "xla", loss, rows, weights, group_sizes)
+    kernel = _grads("megablox_gmm", loss, rows, weights, group_sizes)
+    xla = _grads("ragged_dot", loss, rows, weights, group_sizes)
     _assert_close(kernel, xla)
     assert np.abs(kernel[1][0][171:]).max() == 0

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from axgen import runtime
 from axgen.build import build
 from axgen.cli import main as axgen
 from axgen.files import write_atomically
@@ -15,7 +16,8 @@ from axgen.interop import hf_to_params, load_program
 from axgen.ir import cost
 from axgen.loader import load_spec
 from axgen.spec import SpecError
-from tests.conftest import ROOT, STEP_LINE, train_log
+from tests.conftest import ROOT, STEP_LINE, moe_calls, moe_options, train_log
+from axgen.runtime import moe
 from axgen.runtime.program import Program
 
 FIXTURES = ROOT / "tests/fixtures"
@@ -65,7 +67,9 @@ def test_auxiliary_losses_match_the_formulas_by_hand(mixtral):
     z_loss = np.mean([np.mean(np.log(np.exp(layer).sum(-1)) ** 2) for layer in router_logits])
     np.testing.assert_allclose(float(aux["router_z_loss"]), z_loss, rtol=1e-5)
     # HF pools the layers' rows before the product; for one layer the two definitions agree.
-    _, _, one_layer = program.route(jnp.asarray(router_logits[0], jnp.float32), 2)
+    _, _, one_layer = runtime.route(
+        jnp.asarray(router_logits[0], jnp.float32), moe_options(program)["routing"]
+    )
     np.testing.assert_allclose(float(one_layer["load_balance_loss"]), per_layer[0], rtol=1e-5)
     assert 1.0 <= per_layer[0] <= 4.0  # top_k when balanced, num_experts when every token picks the same two
 
@@ -108,9 +112,9 @@ def test_tight_capacity_drops_the_overflow_and_reports_it(tmp_path):
         jnp.zeros((2, 16, 4)).at[:, :, 0].set(5.0).at[:, :, 1].set(4.0)
     )  # all pick experts 0 and 1
     w = jax.random.normal(jax.random.key(1), (4, 8, 12))
-    out, aux = program.moe_with_capacity(
-        x, router_logits, w, w, w.transpose(0, 2, 1), top_k=2, capacity_factor=0.5
-    )
+    options = moe_options(program)
+    assert (options["routing"], options["capacity_factor"]) == (runtime.Routing(top_k=2), 0.5)
+    out, aux = runtime.moe_with_capacity(x, router_logits, w, w, w.transpose(0, 2, 1), **options)
     # capacity = ceil(2 * 16 * 0.5 / 4) = 4 slots per expert: 8 of the 32 picks per sequence survive.
     np.testing.assert_allclose(float(aux["dropped_fraction"]), 1 - 8 / 32)
     assert np.all(np.asarray(out[:, 4:]) == 0), "tokens past the first four lose both choices"
@@ -122,7 +126,8 @@ def test_mixed_stack_alternates_dense_and_moe_layers():
     built = build(MOE_TINY, "cpu-1")
     assert {r.name: r.repeat for r in built.graph.blocks()} == {"layers": 2, "moe_layers": 2}
     assert (
-        "moe_dropless" in built.source and "def layers_group(x, p, positions, segment_ids):" in built.source
+        "runtime.moe_dropless(" in built.source
+        and "def layers_group(x, p, positions, segment_ids):" in built.source
     )
     # 2 dense + 2 MoE layers: each MoE layer adds a router and 3 more copies of the MLP.
     dense = build(ROOT / "specs/llama_tiny.py", "cpu-1").graph
@@ -159,7 +164,7 @@ def tpu_program(tmp_path):
     """moe_tiny as a TPU program: its experts' shard_map runs unchecked for megablox (check_vma=False); the
     kernel itself gives way to XLA's ragged_dot here on CPU."""
     source = build(MOE_TINY, "tpu-v5e-8").source
-    assert "check_vma=False" in source and "megablox.gmm(" in source
+    assert "check_vma=False" in source and 'else "megablox_gmm"' in source
     out = tmp_path / "moe_tiny_tpu_v5e_8.py"
     write_atomically(out, source)
     with pytest.MonkeyPatch.context() as env:
@@ -232,9 +237,10 @@ def test_mixed_stack_runs_layers_in_order(tmp_path, every):
 
 def test_gemma_block_makes_the_routed_experts_geglu_like_the_dense_mlp():
     program = load_program(ROOT / "generated/features_tiny/cpu_1.py")  # moe, then gemma_block
+    assert moe_options(program)["activation"] == "geglu"
     gate, up = jax.random.normal(jax.random.key(0), (2, 8, 16))
     expected = jax.nn.gelu(gate, approximate=True) * up
-    np.testing.assert_allclose(program.expert_mlp(None, gate, up), expected, rtol=1e-6)
+    np.testing.assert_allclose(runtime.expert_mlp(gate, up, activation="geglu"), expected, rtol=1e-6)
 
 
 def expert_parallel(tmp_path, dispatch, target="cpu-8", **moe):
@@ -262,12 +268,12 @@ def test_lowering_picks_the_all_to_all_collective_the_target_compiles(tmp_path, 
         ("gpu-h100-8", "ragged_all_to_all"),
     ]:
         source = build(spec, target).source
-        assert f'dispatch="{collective}"' in source and f"jax.lax.{collective}(" in source, target
+        assert [call["dispatch"] for call in moe_calls(source)] == [repr(collective)], target
         assert f"expert tokens by {collective}" in source
     assert axgen(["graph", str(spec), "--target", "tpu-v5e-8", "--after", "lowering"]) == 0
     assert "dispatch=ragged_all_to_all" in capsys.readouterr().out.replace("'", "").replace('"', "")
     default = build(MOE_TINY, "cpu-8").source
-    assert "dispatch=" not in default and "psum_scatter" in default
+    assert "dispatch=" not in default and moe_calls(default)
 
 
 @pytest.mark.parametrize(
@@ -354,7 +360,7 @@ def test_mosaic_gpu_kernel_gradients_sum_over_the_batch_like_ragged_dot(
     out = tmp_path / "h100.py"
     write_atomically(out, build(spec, "gpu-h100-8").source)
     program = load_program(out)
-    assert program.GROUPED_MATMUL_IMPL == "xla"
+    assert program.GROUPED_MATMUL_IMPL == "ragged_dot"
     params = program.init_params(jax.random.key(1))
     tokens = jax.random.randint(jax.random.key(2), (8, 17), 0, 256)
     axis_types = (jax.sharding.AxisType.Auto,) * 4
@@ -362,12 +368,12 @@ def test_mosaic_gpu_kernel_gradients_sum_over_the_batch_like_ragged_dot(
     results = {}
     with jax.set_mesh(mesh):
         placed = jax.device_put(params, Program.from_module(program).param_shardings(mesh))
-        for impl in ("xla", "mosaic_gpu"):
+        for impl in ("ragged_dot", "mosaic_gpu"):
             monkeypatch.setattr(program, "GROUPED_MATMUL_IMPL", impl)
-            monkeypatch.setattr(program, "ragged_dot_mgpu", UncheckedKernels)
-            monkeypatch.setattr(program, "transposed_ragged_dot_mgpu", UncheckedKernels)
+            monkeypatch.setattr(moe, "ragged_dot_mgpu", UncheckedKernels)
+            monkeypatch.setattr(moe, "transposed_ragged_dot_mgpu", UncheckedKernels)
             results[impl] = jax.jit(jax.value_and_grad(program.loss_fn, has_aux=True))(placed, tokens)
-    (loss, _), grads = results["xla"]
+    (loss, _), grads = results["ragged_dot"]
     (kernel_loss, _), kernel_grads = results["mosaic_gpu"]
     np.testing.assert_allclose(kernel_loss, loss, rtol=1e-6)
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from axgen import runtime
 from axgen.build import build
 from axgen.files import write_atomically
 from axgen.hf_export import hf_config
@@ -19,7 +20,7 @@ from axgen.loader import load_spec
 from axgen.runtime.program import Program
 from axgen.runtime.training import balanced
 from axgen.spec import SpecError
-from tests.conftest import ROOT
+from tests.conftest import ROOT, moe_options
 
 FIXTURE = ROOT / "tests/fixtures/hf_deepseek_router.npz"
 V3 = dict(
@@ -95,8 +96,9 @@ def test_routing_equals_transformers_routers(tmp_path, case):
     hidden = fixture["hidden"].reshape(-1, fixture["hidden"].shape[-1])
     logits = jnp.asarray(hidden @ fixture[f"{case}/router"].T)
     bias = jnp.asarray(fixture[f"{case}/bias"])
-    args = (logits, config["num_experts_per_tok"]) + ((None, bias) if v3 else ())
-    weights, experts, _ = program.route(*args)
+    routing = moe_options(program)["routing"]
+    assert routing.top_k == config["num_experts_per_tok"]
+    weights, experts, _ = runtime.route(logits, routing, correction_bias=bias if v3 else None)
     experts, weights = in_ascending_order(weights, experts)
     np.testing.assert_array_equal(experts, fixture[f"{case}/experts"])
     np.testing.assert_allclose(weights, fixture[f"{case}/weights"], rtol=1e-5, atol=1e-6)
@@ -114,9 +116,7 @@ def test_routing_equals_transformers_routers(tmp_path, case):
     np.testing.assert_array_equal(experts, by_hand[0])
     np.testing.assert_allclose(weights, by_hand[1], rtol=1e-5, atol=1e-6)
     if v3:  # the fixture's bias changes the choice: without it, other experts win
-        unbiased, _ = in_ascending_order(
-            *program.route(logits, config["num_experts_per_tok"], None, 0 * bias)[:2]
-        )
+        unbiased, _ = in_ascending_order(*runtime.route(logits, routing, correction_bias=0 * bias)[:2])
         assert (unbiased != experts).any(axis=-1).mean() > 0.3
 
 
@@ -176,7 +176,7 @@ def test_sigmoid_routing_without_groups_by_hand(tmp_path, renormalize):
         tmp_path, name=f"sigmoid_{renormalize}", scoring="sigmoid", renormalize=renormalize, routed_scale=1.5
     )
     logits = jax.random.normal(jax.random.key(0), (40, 4))
-    weights, experts, _ = program.route(logits, 2)
+    weights, experts, _ = runtime.route(logits, moe_options(program)["routing"])
     experts, weights = in_ascending_order(weights, experts)
     by_hand = v3_route_by_hand(np.asarray(logits), np.zeros(4), 2, 1, 1, "top2_sum", renormalize, 1.5)
     np.testing.assert_array_equal(experts, by_hand[0])
@@ -189,7 +189,7 @@ def test_sequence_wise_balance_loss_by_hand(tmp_path):
     program = program_with(tmp_path, name="seq_loss", scoring="sigmoid", seq_aux_loss_weight=0.01)
     assert program.AUX_LOSS_WEIGHTS["seq_balance_loss"] == 0.01
     logits = jax.random.normal(jax.random.key(0), (3, 16, 4))
-    _, experts, losses = program.route(logits, 2)
+    _, experts, losses = runtime.route(logits, moe_options(program)["routing"])
     scores = 1 / (1 + np.exp(-np.asarray(logits, np.float64)))
     normalised = scores / scores.sum(-1, keepdims=True)
     expected = []

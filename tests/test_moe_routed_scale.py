@@ -6,12 +6,14 @@ import jax
 import numpy as np
 import pytest
 
+from axgen import runtime
 from axgen.build import build
 from axgen.files import write_atomically
 from axgen.hf_export import hf_config
 from axgen.interop import CheckpointError, load_program
 from axgen.loader import load_spec
 from axgen.spec import SpecError
+from tests.conftest import moe_options
 
 
 def moe_tiny_with(tmp_path, routed_scale):
@@ -32,7 +34,7 @@ def test_the_routed_weights_are_scaled_and_the_losses_are_not(tmp_path):
         spec = moe_tiny_with(tmp_path, routed_scale)
         program = tmp_path / f"program_{routed_scale}.py".replace(".5", "_5")
         write_atomically(program, build(spec, "cpu-1").source)
-        routes.append(load_program(program).route(logits, 2))
+        routes.append(runtime.route(logits, moe_options(load_program(program))["routing"]))
     (plain, experts, losses), (scaled, scaled_experts, scaled_losses) = routes
     np.testing.assert_array_equal(experts, scaled_experts)
     np.testing.assert_allclose(scaled, 2.5 * plain, rtol=1e-6)

@@ -126,7 +126,7 @@ def test_a_tiny_moe_with_quantized_experts_trains_about_as_well_as_without(tmp_p
     out = tmp_path / "program.py"
     write_atomically(out, build(path, "cpu-1").source)
     quantized = load_program(out)
-    assert f"matmul=runtime.{dtype}_ragged_dot" in out.read_text()
+    assert f'quantize="{dtype}"' in out.read_text()
     baseline = train_losses(load_program(ROOT / "generated/moe_tiny/cpu_1.py"), corpus)
     losses = train_losses(quantized, corpus)
     assert losses[-5:].mean() < losses[0] - 1.5
@@ -136,7 +136,7 @@ def test_a_tiny_moe_with_quantized_experts_trains_about_as_well_as_without(tmp_p
 def test_experts_are_quantized_only_when_include_names_them(tmp_path):
     default = build(variant(tmp_path, 'dtype="int8"'), "cpu-1")
     (experts,) = default.graph.nodes(op="moe")
-    assert experts.attrs.quantize is None and "matmul=runtime" not in default.source
+    assert experts.attrs.quantize is None and "quantize=" not in default.source
     assert (
         "int8 dots: layers/{q,k,v,attn_out,gate,up,mlp_out} moe_layers/{q,k,v,attn_out}; routed experts unquantized"
         in default.source.splitlines()[4]
@@ -158,10 +158,7 @@ def test_each_target_lowers_quantized_experts_to_what_its_kernels_take(tmp_path)
         "# XLA's ragged_dot: megablox_gmm: megablox.gmm takes bfloat16 or float32 operands only, and these experts are int8.\n"
         in tpu.source
     )
-    assert (
-        "matmul=runtime.int8_ragged_dot" in tpu.source
-        and "megablox" not in tpu.source.split("# XLA's ragged_dot")[0]
-    )
+    assert 'quantize="int8"' in tpu.source and "GROUPED_MATMUL" not in tpu.source
     # H100, every expert on every device: XLA's ragged_dot would multiply each row by all 4; bf16 on the kernel.
     gpu = build(path, "gpu-h100-8")
     (experts,) = gpu.graph.nodes(op="moe")
@@ -245,7 +242,7 @@ def test_quantized_experts_split_over_devices_train_as_on_one_device(tmp_path, c
     )
     program = tmp_path / "program.py"
     write_atomically(program, build(path, "cpu-8").source)
-    assert f"matmul=runtime.{dtype}_ragged_dot" in program.read_text()
+    assert f'quantize="{dtype}"' in program.read_text()
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         sharded_log, single_log = pool.map(
             lambda single: run_main(program, 8, single, corpus, tmp_path / f"single_{single}"), (False, True)

@@ -1,7 +1,7 @@
 """What every emitted program runs on, tested once: the dataset reader, checkpoints with checksums, fault
 handling, metrics, flags and the main loop (`run.main`), and the few helpers programs call (params, sharding,
-gradients, attention by each kernel, the cross-entropy, the routed experts' quantized grouped matmuls). A program
-holds what its spec and target decide and hands it to `main`.
+gradients, attention by each kernel, the cross-entropy, the routed experts: routing, the dropless and capacity
+paths, their grouped matmuls). A program holds what its spec and target decide and hands it to `main`.
 
 This package imports jax, optax, orbax, numpy and tensorboardX, and nothing of the compiler: a training host
 needs axgen installed (`pip install --no-deps axgen` beside its own jax works) but none of the compiler's
@@ -10,6 +10,7 @@ dependencies.
 
 from axgen.runtime.attention import causal_attention, soft_cap
 from axgen.runtime.losses import cross_entropy, lm_head_cross_entropy, trained_targets
+from axgen.runtime.moe import Routing, expert_mlp, grouped_matmul, moe_dropless, moe_with_capacity, route
 from axgen.runtime.params import ParamSpec, init_params
 from axgen.runtime.quantized_experts import fp8_ragged_dot, int8_ragged_dot
 from axgen.runtime.run import main
@@ -25,18 +26,24 @@ from axgen.runtime.training import apply_gradients, gradients, summed_over_micro
 
 __all__ = [
     "ParamSpec",
+    "Routing",
     "apply_gradients",
     "causal_attention",
     "constrain",
     "cross_entropy",
+    "expert_mlp",
     "fp8_ragged_dot",
     "gradients",
+    "grouped_matmul",
     "init_params",
     "int8_ragged_dot",
     "lm_head_cross_entropy",
     "logical_to_mesh",
     "main",
+    "moe_dropless",
+    "moe_with_capacity",
     "param_shardings",
+    "route",
     "shards",
     "soft_cap",
     "summed_over_microbatches",
