@@ -16,12 +16,22 @@ spec = gpt_oss_20b.replace(
     ],
     targets=["gpu-h100-64", "tpu-v5p-256", "cpu-8"],
     # 116.8B parameters with Adam moments are 1.4 TB: sharded over all 64 GPUs, not 8 per host as the backend's rule
-    # does; one sequence per pass and full remat, as gpt-oss-20b needs on 8: AOT peak 62.7 of 75.2 GiB.
+    # does; one sequence per pass and full remat, as gpt-oss-20b needs on 8: AOT peak 61.3 of 75.2 GiB.
+    # On tpu-v5p-256 the backend's fsdp=256 cannot split the 2880-wide embed (2880 / 256 is no integer), so every
+    # weight would be whole on every chip (libtpu: 1.74T of temporaries); fsdp=64 divides it and the experts split
+    # 4 ways over the rest: AOT peak 26.7 of 95.0 GiB.
     mesh_rules=[
         MeshRule(
             r"gpu-h100-\d+",
             {"fsdp": -1},
             why="116.8B MoE: fully sharded over every GPU, one sequence per pass, full remat",
+            microbatch=1,
+            remat=Remat(policy="full"),
+        ),
+        MeshRule(
+            r"tpu-v5p-256",
+            {"fsdp": 64, "expert": 4},
+            why="116.8B MoE: fsdp=64 divides the 2880-wide embed, experts split 4 ways, one sequence per pass",
             microbatch=1,
             remat=Remat(policy="full"),
         ),
