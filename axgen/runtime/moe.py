@@ -521,9 +521,8 @@ def moe_with_capacity(
     by_priority = chosen.transpose(0, 2, 1, 3).reshape(batch, top_k * seq, num_experts)
     slot = jnp.cumsum(by_priority, axis=1).reshape(batch, top_k, seq, num_experts).transpose(0, 2, 1, 3) - 1
     kept = chosen * (slot < capacity)
-    in_slot = kept[..., None] * jax.nn.one_hot(
-        slot, capacity, dtype=jnp.int32
-    )  # [batch, seq, top_k, experts, slot]
+    # [batch, seq, top_k, experts, slot]
+    in_slot = kept[..., None] * jax.nn.one_hot(slot, capacity, dtype=jnp.int32)
     dispatch = in_slot.sum(axis=2).astype(x.dtype)
     combine = (weights[..., None, None] * in_slot).sum(axis=2).astype(x.dtype)
     expert_in = jnp.einsum("bsec,bsm->becm", dispatch, x)
@@ -533,9 +532,8 @@ def moe_with_capacity(
         else _named(jnp.einsum("becm,emf->becf", expert_in, w_gate), checkpoint_names, 0)
     )
     up = _named(jnp.einsum("becm,emf->becf", expert_in, w_up), checkpoint_names, 0)
-    if (
-        biases is not None
-    ):  # each expert's biases per output; an empty slot's output is combined with weight 0
+    # Each expert's biases per output; an empty slot's output is combined with weight 0.
+    if biases is not None:
         b_gate, b_up, b_down = biases
         gate, up = gate + b_gate[:, None], up + b_up[:, None]
     hidden = expert_mlp(gate, up, activation=activation, swiglu_limit=swiglu_limit, swiglu_alpha=swiglu_alpha)
