@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from axgen.backends import Plan, lower, plan_for
@@ -49,7 +49,8 @@ def build(spec_path: str | Path, target: str, rule: MeshRule | None = None) -> B
     """The program of the spec file for `target`; with a `rule`, as if the spec's mesh rules began with it."""
     spec = load_spec(spec_path)
     if rule is not None:
-        spec = spec.replace(mesh_rules=[rule, *spec.mesh_rules])
+        # dataclasses.replace, not Model.replace: the program still comes from the spec file, not from here.
+        spec = replace(spec, mesh_rules=(rule, *spec.mesh_rules))
     graph, plan, passes = lowered(spec, target)
     source = emit(graph, output_name(target))
     return Built(spec, target, plan, graph, passes, source)

@@ -13,7 +13,8 @@ the slowest of four resources at the chip's published peak rate, as if the other
 - host: bytes offloaded to host memory and back, against the host link;
 - collectives: bytes its collectives move, against the inter-device link.
 
-To keep the compiles few, memory decides the order. The target's own rule (the spec's mesh rule or the backend's
+To keep the compiles few, memory decides the order. A mesh on which the params and their optimizer state alone
+cannot fit a device is pruned before anything is compiled. The target's own rule (the spec's mesh rule or the backend's
 default) is compiled first. Then, for each mesh and policy the largest microbatch that fits is
 searched from the top down (a smaller one only adds passes and weight gathers), and a policy is skipped where one
 that keeps no more already failed at that size or smaller. Each compile also bounds what smaller passes can need
@@ -37,7 +38,7 @@ import libcst.matchers as m
 from axgen.aot import AotError, Report, compile_target
 from axgen.backends import Plan, plan_for
 from axgen.backends.common import GIB, LOGICAL_AXIS_RULES
-from axgen.build import build
+from axgen.build import Built, build
 from axgen.files import write_atomically
 from axgen.ir import cost
 from axgen.loader import load_spec
@@ -64,6 +65,9 @@ KEPT_ON_DEVICE = {
 MODEL_SPLITS = (1, 2, 4, 8)  # tensor parallelism beyond 8 leaves a host's fast links
 DATA_SPLITS = (1, 2, 4, 8)
 SPLASH_BLOCKS = (256, 512, 1024)
+# A trained value's bytes on its devices through a step: the float32 param and AdamW's two float32 moments.
+STATE_BYTES_PER_PARAM = 12
+PARAM_AXES = frozenset(axis for name, axes in LOGICAL_AXIS_RULES if name != "batch" for axis in axes)
 BLOCKS_TRIED_ON = 3  # the best candidates whose splash block length is varied
 
 
@@ -153,17 +157,20 @@ def search(
     spec_path = Path(spec_path)
     spec = load_spec(spec_path)
     plan = plan_for(spec, target)
-    kernel_flops = _kernel_flops(spec_path, target)
+    built = build(spec_path, target)
+    kernel_flops = _kernel_flops(built)
     state = Search(spec_path, target, max_compiles, log, lambda r: estimate(plan, r, kernel_flops))
     per_slice = plan.num_devices // plan.num_slices
     mesh_splits = [_full(m, per_slice) for m in meshes] if meshes else _meshes(spec, plan)
+    own = None if meshes else mesh_splits[0]
+    mesh_splits = [m for m in mesh_splits if _holds_the_state(m, cost.num_params(built.graph), plan, log)]
     policies = [p for p in POLICIES if p != "offload_dots" or "host_offload" in plan.chip.capabilities]
     block = plan.attention_block
-    if not meshes:
+    if own in mesh_splits:
         # The target's own rule first: what the spec's author sized, and where a search that finds nothing better
         # still has an answer. Its figures bound the smaller passes of the policies that keep no more.
         remat = spec.feature("remat") or plan.remat
-        state.compile(Candidate(mesh_splits[0], plan.microbatch, remat.policy if remat else "none", block))
+        state.compile(Candidate(own, plan.microbatch, remat.policy if remat else "none", block))
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         # Policy by policy, so a spent budget leaves every mesh tried under the cheaper ones.
         for policy in policies:
@@ -242,6 +249,20 @@ def _least_peak(outcomes: list[Outcome], mesh: tuple, policy: str, microbatch: i
     return int(max(bounds)) if bounds else None
 
 
+def _holds_the_state(mesh: tuple, num_params: int, plan: Plan, log: Callable[[str], None]) -> bool:
+    """Whether the float32 params and AdamW's two float32 moments can fit a device of this mesh, split over every
+    axis that shards params (`data` replicates them) as if every dimension divided; else the mesh is pruned with
+    every pass and policy, since no remat or microbatch makes them smaller."""
+    shards = math.prod(n for a, n in mesh if a in PARAM_AXES)
+    least = STATE_BYTES_PER_PARAM * num_params // shards
+    if least > plan.usable_bytes:
+        log(
+            f"pruned {Candidate(mesh, 1, 'full').mesh_text()}, every pass and policy: the params and optimizer "
+            f"state alone need at least {least / GIB:.2f} GiB a device, more than {plan.usable_bytes / GIB:.1f} usable"
+        )
+    return least <= plan.usable_bytes
+
+
 def _needs_no_more(compiled: tuple, mesh: tuple) -> bool:
     """Whether `compiled` needs no more memory than `mesh` at the same pass and policy: the same model and expert
     splits and as many batch shards (so each device holds the same activations), the params sharded over at least
@@ -289,10 +310,9 @@ def _microbatches(spec: Model, plan: Plan, mesh: tuple) -> list[int]:
     return [m for m in range(per_device, 0, -1) if per_device % m == 0]
 
 
-def _kernel_flops(spec_path: Path, target: str) -> float:
+def _kernel_flops(built: Built) -> float:
     """Per device per step: the model's FLOPs in attention kernels and MoE grouped matmuls, which the HLO's dots
     leave out (their recomputation under remat is not counted)."""
-    built = build(spec_path, target)
     train = built.spec.train
 
     def in_kernel(node) -> bool:

@@ -78,6 +78,9 @@ class Chip:
     hbm_bandwidth: float = field(kw_only=True)  # bytes/s
     link_bandwidth: float = field(kw_only=True)  # bytes/s one way, to the devices of the same slice or host
     host_bandwidth: float = field(kw_only=True)  # bytes/s one way, to the host's memory
+    # Devices that are one host's cores (fake CPU devices) share its memory: hbm_bytes is the host's, split among
+    # the devices on it.
+    shares_host_memory: bool = field(default=False, kw_only=True)
 
 
 @dataclass(frozen=True)
@@ -174,7 +177,10 @@ class Plan:
     @property
     def usable_bytes(self) -> int:
         """Per device: what the program's allocator may take, which is what a compiled step must fit in."""
-        return int(self.chip.hbm_bytes * (self.memory_fraction or 1))
+        usable = int(self.chip.hbm_bytes * (self.memory_fraction or 1))
+        if self.chip.shares_host_memory:
+            return usable // min(self.num_devices // self.num_slices, self.chip.devices_per_host)
+        return usable
 
     @property
     def dcn_mesh(self) -> tuple[tuple[str, int], ...]:

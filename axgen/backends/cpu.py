@@ -10,7 +10,7 @@ FAMILY = Family(
     name="cpu",
     pattern=r"cpu-(\d+)",
     display="cpu-N",
-    # Nominal: one AVX2 core, 2 FMA units x 8 float32 lanes x 2 FLOPs x ~3 GHz.
+    # Nominal: one AVX2 core of a 24 GiB host (this project's CI machine), 2 FMA units x 8 float32 lanes x 2 FLOPs x ~3 GHz.
     # XLA's CPU backend has a native int8 dot with int32 accumulation; fp8 and host offload it does not have.
     chip=Chip(
         "host CPU core",
@@ -22,6 +22,7 @@ FAMILY = Family(
         hbm_bandwidth=20e9,
         link_bandwidth=10e9,
         host_bandwidth=20e9,
+        shares_host_memory=True,  # cpu-8 is one 24 GiB host's cores: 3 GiB a device
     ),
     # Sharded CPU programs take at most 4 sequences per device per pass: XLA's CPU compiler dies (SIGFPE) on a
     # 7B model's 64 x 8k-token pass, and a pass that large has no use on a CPU.
