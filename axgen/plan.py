@@ -162,15 +162,14 @@ def search(
     state = Search(spec_path, target, max_compiles, log, lambda r: estimate(plan, r, kernel_flops))
     per_slice = plan.num_devices // plan.num_slices
     mesh_splits = [_full(m, per_slice) for m in meshes] if meshes else _meshes(spec, plan)
-    own = None if meshes else mesh_splits[0]
+    own = None if meshes else own_candidate(spec, plan)
     mesh_splits = [m for m in mesh_splits if _holds_the_state(m, cost.num_params(built.graph), plan, log)]
     policies = [p for p in POLICIES if p != "offload_dots" or "host_offload" in plan.chip.capabilities]
     block = plan.attention_block
-    if own in mesh_splits:
+    if own is not None and own.mesh in mesh_splits:
         # The target's own rule first: what the spec's author sized, and where a search that finds nothing better
         # still has an answer. Its figures bound the smaller passes of the policies that keep no more.
-        remat = spec.feature("remat") or plan.remat
-        state.compile(Candidate(own, plan.microbatch, remat.policy if remat else "none", block))
+        state.compile(own)
     with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
         # Policy by policy, so a spent budget leaves every mesh tried under the cheaper ones.
         for policy in policies:
@@ -185,6 +184,13 @@ def search(
             ]
             list(pool.map(state.compile, others))
     return ranked(state.outcomes)
+
+
+def own_candidate(spec: Model, plan: Plan) -> Candidate:
+    """The target's own rule (the spec's mesh rule for it, or the backend's) as a candidate: one slice's mesh."""
+    remat = spec.feature("remat") or plan.remat
+    mesh = tuple((a, n // (plan.num_slices if a == "data" else 1)) for a, n in plan.mesh)
+    return Candidate(mesh, plan.microbatch, remat.policy if remat else "none", plan.attention_block)
 
 
 def ranked(outcomes: list[Outcome]) -> list[Outcome]:
@@ -282,8 +288,7 @@ def _meshes(spec: Model, plan: Plan) -> list[tuple[tuple[str, int], ...]]:
     attention, moe = spec.decoder.attention, spec.feature("moe")
     widths = (attention.num_heads, attention.num_kv_heads, spec.decoder.mlp.hidden_dim, spec.vocab_size)
     experts = (1, 2, 4, 8) if moe else (1,)
-    own = tuple((a, n // (plan.num_slices if a == "data" else 1)) for a, n in plan.mesh)
-    found = [own]
+    found = [own_candidate(spec, plan).mesh]
     for model in MODEL_SPLITS:
         for expert in experts:
             for data in DATA_SPLITS:

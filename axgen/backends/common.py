@@ -113,6 +113,8 @@ class Family:
     platform: str = "cpu"  # jax's name for the backend: cpu, tpu, cuda, neuron
     flags_variable: str = "XLA_FLAGS"  # the environment variable the runtime reads the flags from
     xla_flags: tuple[str, ...] = ()
+    # Fake devices: the flag, formatted with the target's device count, that makes jax show that many (on one host).
+    device_count_flag: str | None = None
     remat: Remat | None = None  # the default when the spec has no remat feature
     quantize_dtype: str = "int8"  # what `quantize(dtype=None)` becomes
     # Devices per slice -> the topology `axgen aot` compiles for without the chips; None: fake CPU devices.
@@ -188,6 +190,12 @@ class Plan:
         return tuple((axis, self.num_slices if axis == "data" else 1) for axis, _ in self.mesh)
 
 
+def _device_count_flags(family: Family, num_devices: int) -> tuple[str, ...]:
+    if family.device_count_flag is None or num_devices == 1:
+        return ()
+    return (family.device_count_flag.format(num_devices),)
+
+
 def make_plan(family: Family, spec: Model, target: str) -> Plan:
     per_slice, slices = family.parse(target)
     if not per_slice or not slices:
@@ -229,7 +237,7 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
         microbatch=microbatch,
         grad_accum_steps=per_device_batch // microbatch,
         flags_variable=family.flags_variable,
-        xla_flags=family.xla_flags + rule.xla_flags,
+        xla_flags=family.xla_flags + _device_count_flags(family, per_slice * slices) + rule.xla_flags,
         topology=family.topology(per_slice) if family.topology else None,
         topology_wrap=family.topology_wrap(family.topology(per_slice)) if family.topology_wrap else None,
         remat=rule.remat or family.remat,

@@ -32,13 +32,14 @@ FAMILY = Family(
             {"data": 2, "fsdp": 2, "model": 2},
             why="every mesh axis at size 2, so CPU runs exercise the sharding that accelerator targets use",
             microbatch=4,
-            xla_flags=("--xla_force_host_platform_device_count=8",),
         ),
         MeshRule(r"cpu-1", {}, why="one device: the unsharded reference run"),
         MeshRule(
             r"cpu-\d+", {"fsdp": -1}, why="fully sharded data parallel over all host devices", microbatch=4
         ),
     ),
+    # Every cpu-N program shows jax N devices, whichever rule (a spec's, or `axgen plan`'s candidate) gave the mesh.
+    device_count_flag="--xla_force_host_platform_device_count={}",
     compute_dtype="float32",
     attention="xla",
     platform="cpu",
