@@ -116,6 +116,21 @@ def test_gradients_cross_between_slices_once_a_step_however_many_passes_it_takes
     assert report["cross_slice"] == {"ALL_REDUCE": 9}
 
 
+def test_h100_data_parallel_groups_sum_their_passes_apart_with_cudnn_attention(tmp_path, capsys):
+    """data=2 x fsdp=4 over two passes: the step runs its passes inside a shard_map manual over `data`, where cuDNN's
+    custom partitioning failed ("'GSPMDSharding' object has no attribute 'spec'": llama3-8b on gpu-h100-64, data=8
+    fsdp=8, did not compile); each device now runs the kernel on its own rows and heads."""
+    spec = tmp_path / "data_parallel.py"
+    spec.write_text(
+        "from axgen.spec import MeshRule\nfrom specs.llama_tiny import spec as tiny\n"
+        "spec = tiny.replace(mesh_rules=[MeshRule('gpu-h100-8', {'data': 2, 'fsdp': 4}, microbatch=1, why='dp')])\n"
+    )
+    code, [report], _ = aot(capsys, str(spec), "--target", "gpu-h100-8")
+    assert code == 0 and report["mesh"] == {"data": 2, "fsdp": 4, "expert": 1, "model": 1}
+    assert report["grad_accum_steps"] == 2
+    assert {"__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"} <= set(report["kernels"])
+
+
 def test_trainium_program_compiles_on_fake_cpu_devices_with_its_mesh(capsys):
     code, [report], _ = aot(capsys, TINY, "--target", "trn2-16")
     assert code == 0 and report["compiled_for"] == "16 x AWS Trainium2 emulated by 16 fake CPU devices"

@@ -7,6 +7,8 @@ Shapes: q [batch, seq, heads, head_dim], k [batch, seq, kv_heads, head_dim], v [
 position belongs to: a query sees keys of its own document only). The output has v's head dim.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
@@ -28,22 +30,24 @@ def causal_attention(
     softcap=None,
     scale=None,
     sinks=None,
+    rules=None,
     **splash_options,
 ):
     """Causal attention by `implementation`: "splash" (then `block` and `rules`, the program's SPLASH_BLOCK and
-    LOGICAL_AXIS_RULES, are needed), "cudnn" or "xla". With a `window`, each query sees only the last `window`
+    LOGICAL_AXIS_RULES, are needed), "cudnn" (then `rules`) or "xla". With a `window`, each query sees only the last `window`
     positions, itself included; a `softcap` squashes each score to softcap * tanh(score / softcap) before the
     softmax; `sinks` [heads] is a learned logit per head that joins every query's softmax without a value
     (gpt-oss); the scores are q.k * `scale` (None: head_dim**-0.5)."""
     if implementation == "splash":
         return splash_attention(
-            q, k, v, segment_ids, window=window, softcap=softcap, scale=scale, sinks=sinks, **splash_options
-        )
+            q, k, v, segment_ids, window=window, softcap=softcap, scale=scale, sinks=sinks, rules=rules,
+            **splash_options,
+        )  # fmt: skip
     if v.shape[-1] != q.shape[-1]:  # these paths take one head dim: v padded with zero channels, sliced back
         padded = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - v.shape[-1])))
         out = causal_attention(
             q, k, padded, segment_ids, implementation=implementation, window=window, softcap=softcap, scale=scale,
-            sinks=sinks,
+            sinks=sinks, rules=rules, **splash_options,
         )  # fmt: skip
         return out[..., : v.shape[-1]]
     if softcap is not None or sinks is not None:
@@ -54,16 +58,28 @@ def causal_attention(
         return _attention_in_xla_ops(
             q, k, v, segment_ids, window=window, softcap=softcap, scale=scale, sinks=sinks
         )
-    return jax.nn.dot_product_attention(
-        q,
-        k,
-        v,
-        mask=document_mask(segment_ids),
+    attend = functools.partial(
+        jax.nn.dot_product_attention,
         is_causal=True,
         local_window_size=None if window is None else (window - 1, 0),
         scale=scale,
         implementation=implementation,
     )
+    mesh = jax.sharding.get_abstract_mesh()
+    if implementation != "cudnn" or not mesh.manual_axes:
+        return attend(q, k, v, mask=document_mask(segment_ids))
+    # Inside runtime.gradients' shard_map, manual over the replicas, cuDNN's custom partitioning is handed a
+    # GSPMDSharding it cannot read (jax 0.12: "'GSPMDSharding' object has no attribute 'spec'"), so each device runs
+    # the kernel on its own batch rows and heads, split as `rules` split the activations, as splash's does.
+    q_spec = logical_to_mesh(rules, ("batch", "seq", "heads", "head_dim"), q.shape, mesh.shape)
+    kv_spec = logical_to_mesh(rules, ("batch", "seq", "kv_heads", "head_dim"), k.shape, mesh.shape)
+    return jax.shard_map(
+        lambda q, k, v, segment_ids: attend(q, k, v, mask=document_mask(segment_ids)),
+        mesh=mesh,
+        in_specs=(q_spec, kv_spec, kv_spec, P(q_spec[0], q_spec[1])),
+        out_specs=q_spec,
+        check_vma=False,
+    )(q, k, v, segment_ids)
 
 
 def document_mask(segment_ids):

@@ -277,7 +277,13 @@ def decoder_layer(x, p, positions, segment_ids):
     )  # [batch, seq, kv_heads=16, head_dim=192]
     # attention · kernel cudnn, dense document mask (backends/gpu.py) · specs/deepseek_v2_lite.py: decoder.attention · changed by passes/mla.py, passes/rope.py
     attention = runtime.causal_attention(
-        query_rope, key_rope, value, segment_ids, implementation=ATTENTION_IMPL, scale=0.1147213867929261
+        query_rope,
+        key_rope,
+        value,
+        segment_ids,
+        implementation=ATTENTION_IMPL,
+        rules=LOGICAL_AXIS_RULES,
+        scale=0.1147213867929261,
     )  # [batch, seq, heads=16, head_dim=128]
     # attention · specs/deepseek_v2_lite.py: decoder.attention · changed by passes/mla.py
     attention_out = checkpoint_name(
@@ -350,7 +356,13 @@ def dense_decoder_layer(x, p, positions, segment_ids):
     )  # [batch, seq, kv_heads=16, head_dim=192]
     # attention · kernel cudnn, dense document mask (backends/gpu.py) · specs/deepseek_v2_lite.py: decoder.attention · changed by passes/mla.py, passes/rope.py
     attention = runtime.causal_attention(
-        query_rope, key_rope, value, segment_ids, implementation=ATTENTION_IMPL, scale=0.1147213867929261
+        query_rope,
+        key_rope,
+        value,
+        segment_ids,
+        implementation=ATTENTION_IMPL,
+        rules=LOGICAL_AXIS_RULES,
+        scale=0.1147213867929261,
     )  # [batch, seq, heads=16, head_dim=128]
     # attention · specs/deepseek_v2_lite.py: decoder.attention · changed by passes/mla.py
     attention_out = checkpoint_name(

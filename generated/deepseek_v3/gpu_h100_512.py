@@ -288,7 +288,13 @@ def decoder_layer(x, p, positions, segment_ids):
     )  # [batch, seq, kv_heads=128, head_dim=192]
     # attention · kernel cudnn, dense document mask (backends/gpu.py) · specs/deepseek_v3.py: decoder.attention · changed by passes/mla.py, passes/rope.py
     attention = runtime.causal_attention(
-        query_rope, key_rope, value, segment_ids, implementation=ATTENTION_IMPL, scale=0.1352337788608801
+        query_rope,
+        key_rope,
+        value,
+        segment_ids,
+        implementation=ATTENTION_IMPL,
+        rules=LOGICAL_AXIS_RULES,
+        scale=0.1352337788608801,
     )  # [batch, seq, heads=128, head_dim=128]
     # attention · specs/deepseek_v3.py: decoder.attention · changed by passes/mla.py
     attention_out = checkpoint_name(
@@ -368,7 +374,13 @@ def dense_decoder_layer(x, p, positions, segment_ids):
     )  # [batch, seq, kv_heads=128, head_dim=192]
     # attention · kernel cudnn, dense document mask (backends/gpu.py) · specs/deepseek_v3.py: decoder.attention · changed by passes/mla.py, passes/rope.py
     attention = runtime.causal_attention(
-        query_rope, key_rope, value, segment_ids, implementation=ATTENTION_IMPL, scale=0.1352337788608801
+        query_rope,
+        key_rope,
+        value,
+        segment_ids,
+        implementation=ATTENTION_IMPL,
+        rules=LOGICAL_AXIS_RULES,
+        scale=0.1352337788608801,
     )  # [batch, seq, heads=128, head_dim=128]
     # attention · specs/deepseek_v3.py: decoder.attention · changed by passes/mla.py
     attention_out = checkpoint_name(

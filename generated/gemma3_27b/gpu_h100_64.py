@@ -229,6 +229,7 @@ def decoder_layer(x, p, positions, segment_ids):
         v,
         segment_ids,
         implementation=ATTENTION_IMPL,
+        rules=LOGICAL_AXIS_RULES,
         window=1024,
         scale=0.07715167498104596,
     )  # [batch, seq, heads=32, head_dim=128]
@@ -296,6 +297,7 @@ def global_decoder_layer(x, p, positions, segment_ids):
         v,
         segment_ids,
         implementation=ATTENTION_IMPL,
+        rules=LOGICAL_AXIS_RULES,
         scale=0.07715167498104596,
     )  # [batch, seq, heads=32, head_dim=128]
     # attention · specs/gemma3_27b.py: decoder.attention

@@ -193,7 +193,7 @@ def decoder_layer(x, p, positions, segment_ids):
     k_rope = rope(k, positions, theta=10000.0)  # [batch, seq, kv_heads=32, head_dim=128]
     # attention · kernel cudnn, dense document mask (backends/gpu.py) · specs/llama2_7b.py: decoder.attention · changed by passes/rope.py
     attn = runtime.causal_attention(
-        q_rope, k_rope, v, segment_ids, implementation=ATTENTION_IMPL
+        q_rope, k_rope, v, segment_ids, implementation=ATTENTION_IMPL, rules=LOGICAL_AXIS_RULES
     )  # [batch, seq, heads=32, head_dim=128]
     # attention · specs/llama2_7b.py: decoder.attention
     attn_out = checkpoint_name(

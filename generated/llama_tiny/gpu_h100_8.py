@@ -193,7 +193,7 @@ def decoder_layer(x, p, positions, segment_ids):
     k_rope = rope(k, positions, theta=10000.0)  # [batch, seq, kv_heads=2, head_dim=32]
     # attention · kernel cudnn, dense document mask (backends/gpu.py) · specs/llama_tiny.py: decoder.attention · changed by passes/rope.py
     attn = runtime.causal_attention(
-        q_rope, k_rope, v, segment_ids, implementation=ATTENTION_IMPL
+        q_rope, k_rope, v, segment_ids, implementation=ATTENTION_IMPL, rules=LOGICAL_AXIS_RULES
     )  # [batch, seq, heads=4, head_dim=32]
     # attention · specs/llama_tiny.py: decoder.attention
     attn_out = checkpoint_name(

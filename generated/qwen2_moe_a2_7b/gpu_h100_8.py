@@ -218,7 +218,7 @@ def decoder_layer(x, p, positions, segment_ids):
     k_bias_rope = rope(k_bias, positions, theta=1000000.0)  # [batch, seq, kv_heads=16, head_dim=128]
     # attention · kernel cudnn, dense document mask (backends/gpu.py) · specs/qwen2_moe_a2_7b.py: decoder.attention · changed by passes/qkv_bias.py, passes/rope.py
     attn = runtime.causal_attention(
-        q_bias_rope, k_bias_rope, v_bias, segment_ids, implementation=ATTENTION_IMPL
+        q_bias_rope, k_bias_rope, v_bias, segment_ids, implementation=ATTENTION_IMPL, rules=LOGICAL_AXIS_RULES
     )  # [batch, seq, heads=16, head_dim=128]
     # attention · specs/qwen2_moe_a2_7b.py: decoder.attention
     attn_out = checkpoint_name(

@@ -212,7 +212,12 @@ def decoder_layer(x, p, positions, segment_ids):
     k_rms_norm_rope = rope(k_rms_norm, positions, theta=1000000.0)  # [batch, seq, kv_heads=4, head_dim=128]
     # attention · kernel cudnn, dense document mask (backends/gpu.py) · specs/qwen3_30b_a3b.py: decoder.attention · changed by passes/qk_norm.py, passes/rope.py
     attn = runtime.causal_attention(
-        q_rms_norm_rope, k_rms_norm_rope, v, segment_ids, implementation=ATTENTION_IMPL
+        q_rms_norm_rope,
+        k_rms_norm_rope,
+        v,
+        segment_ids,
+        implementation=ATTENTION_IMPL,
+        rules=LOGICAL_AXIS_RULES,
     )  # [batch, seq, heads=32, head_dim=128]
     # attention · specs/qwen3_30b_a3b.py: decoder.attention
     attn_out = checkpoint_name(
