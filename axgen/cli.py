@@ -32,6 +32,7 @@ from axgen.interop import CheckpointError
 from axgen.ir import GraphError, cost, from_spec
 from axgen.loader import load_spec
 from axgen.passes import PassError, run_passes
+from axgen.placement import uneven
 from axgen.plan import PlanError, search, table, write_rule
 from axgen.report import ReportError, write_report
 from axgen.spec import MESH_AXES, SpecError
@@ -348,7 +349,9 @@ def _build(args) -> int:
             sources = list(pool.map(_source, work))
     else:
         sources = [_source(job) for job in work]
-    for (_, _, out), source in zip(jobs, sources):
+    for (_, _, out), (source, warning) in zip(jobs, sources):
+        if warning:
+            print(f"axgen: warning: {warning}", file=sys.stderr)
         if args.check:
             if not out.is_file() or out.read_text() != source:
                 stale.append(str(out))
@@ -368,8 +371,10 @@ def _build(args) -> int:
     return 0
 
 
-def _source(job: tuple[str, str]) -> str:
-    return build(*job).source
+def _source(job: tuple[str, str]) -> tuple[str, str | None]:
+    """The program's text, and a warning where its mesh leaves params whole on every device."""
+    built = build(*job)
+    return built.source, uneven(built)
 
 
 def _graph(args) -> int:

@@ -42,6 +42,7 @@ from axgen.build import Built, build
 from axgen.files import write_atomically
 from axgen.ir import cost
 from axgen.loader import load_spec
+from axgen.placement import placement
 from axgen.spec import MESH_AXES, REMAT_POLICIES, Model
 
 # Least recomputation first: the order in which policies are tried and ties broken.
@@ -65,9 +66,7 @@ KEPT_ON_DEVICE = {
 MODEL_SPLITS = (1, 2, 4, 8)  # tensor parallelism beyond 8 leaves a host's fast links
 DATA_SPLITS = (1, 2, 4, 8)
 SPLASH_BLOCKS = (256, 512, 1024)
-# A trained value's bytes on its devices through a step: the float32 param and AdamW's two float32 moments.
-STATE_BYTES_PER_PARAM = 12
-PARAM_AXES = frozenset(axis for name, axes in LOGICAL_AXIS_RULES if name != "batch" for axis in axes)
+
 BLOCKS_TRIED_ON = 3  # the best candidates whose splash block length is varied
 
 
@@ -163,7 +162,7 @@ def search(
     per_slice = plan.num_devices // plan.num_slices
     mesh_splits = [_full(m, per_slice) for m in meshes] if meshes else _meshes(spec, plan)
     own = None if meshes else own_candidate(spec, plan)
-    mesh_splits = [m for m in mesh_splits if _holds_the_state(m, cost.num_params(built.graph), plan, log)]
+    mesh_splits = [m for m in mesh_splits if _holds_the_state(m, built, plan, log)]
     policies = [p for p in POLICIES if p != "offload_dots" or "host_offload" in plan.chip.capabilities]
     block = plan.attention_block
     if own is not None and own.mesh in mesh_splits:
@@ -255,18 +254,17 @@ def _least_peak(outcomes: list[Outcome], mesh: tuple, policy: str, microbatch: i
     return int(max(bounds)) if bounds else None
 
 
-def _holds_the_state(mesh: tuple, num_params: int, plan: Plan, log: Callable[[str], None]) -> bool:
-    """Whether the float32 params and AdamW's two float32 moments can fit a device of this mesh, split over every
-    axis that shards params (`data` replicates them) as if every dimension divided; else the mesh is pruned with
+def _holds_the_state(mesh: tuple, built: Built, plan: Plan, log: Callable[[str], None]) -> bool:
+    """Whether a device of this mesh can hold its share of the params and their AdamW moments, split as the rules
+    table splits them on it (`data` holds copies; a dim no axis divides stays whole); else the mesh is pruned with
     every pass and policy, since no remat or microbatch makes them smaller."""
-    shards = math.prod(n for a, n in mesh if a in PARAM_AXES)
-    least = STATE_BYTES_PER_PARAM * num_params // shards
-    if least > plan.usable_bytes:
+    state = placement(built.graph, dict(plan.logical_axis_rules), dict(mesh)).state_bytes
+    if state > plan.usable_bytes:
         log(
             f"pruned {Candidate(mesh, 1, 'full').mesh_text()}, every pass and policy: the params and optimizer "
-            f"state alone need at least {least / GIB:.2f} GiB a device, more than {plan.usable_bytes / GIB:.1f} usable"
+            f"state alone need {state / GIB:.2f} GiB a device, more than {plan.usable_bytes / GIB:.1f} usable"
         )
-    return least <= plan.usable_bytes
+    return state <= plan.usable_bytes
 
 
 def _needs_no_more(compiled: tuple, mesh: tuple) -> bool:

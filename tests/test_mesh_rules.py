@@ -415,3 +415,27 @@ def test_deepseek_v3_on_its_tpu_slice_holds_no_large_param_whole():
         if np.prod(param.shape) > 2**20:
             assert split >= 128, f"{jax.tree_util.keystr(path)} {param.axes} {param.shape}: {spec}"
     assert per_device < 1.1 * 671_026_404_352 / 1024
+
+
+def test_build_warns_when_a_mesh_leaves_params_whole_on_every_device(tmp_path, capsys):
+    """gpt-oss-120b on the backend's tpu-v5p-256 rule, fsdp=256: its 2880 width is not a multiple of 256 and every
+    other dim goes to `model` (1 here), so every param stays whole on every chip; the program is still written
+    (the user may mean it), with one line saying so. The spec's own rule, fsdp=64 x expert=4, draws no warning.
+    """
+    spec = tmp_path / "oss_fsdp.py"
+    spec.write_text(
+        "from axgen.specs.gpt_oss_120b import spec as oss\nspec = oss.replace(name='oss-fsdp', mesh_rules=[])\n"
+    )
+    out = tmp_path / "program.py"
+    assert axgen(["build", str(spec), "--target", "tpu-v5p-256", "--out", str(out)]) == 0 and out.is_file()
+    [warning] = capsys.readouterr().err.splitlines()
+    assert warning.startswith(
+        f"axgen: warning: {spec} on tpu-v5p-256: a device holds 116.83B of the 116.83B params"
+    )
+    assert "(256x its even share over fsdp=256;" in warning and "w_gate, w_up, w_down and others" in warning
+    own = tmp_path / "own.py"
+    assert (
+        axgen(["build", str(ROOT / "specs/gpt_oss_120b.py"), "--target", "tpu-v5p-256", "--out", str(own)])
+        == 0
+    )
+    assert capsys.readouterr().err == ""
