@@ -40,7 +40,9 @@ def test_the_lowering_pads_v_for_cudnn_and_not_for_splash(target, kernel, pad_v,
 def test_the_program_has_mla_s_projections_and_counts_their_flops(tmp_path):
     built = build(mla_spec(tmp_path), "gpu-h100-8")
     assert "key = concat_shared(k_nope, k_pe)" in built.source
-    assert re.search(r"runtime\.causal_attention\(\s*query_rope, key_rope, value, segment_ids", built.source)
+    assert re.search(
+        r"runtime\.causal_attention\(\s*query_rope,\s*key_rope,\s*value,\s*segment_ids,", built.source
+    )
     config = dict((k, v) for k, v, _ in built.graph.attrs["config"])
     # Per token and layer, 6 x the weights it multiplies by: q_a 64x24, q_b 24x(4x24), kv_a 64x(16+8),
     # kv_b 16x(4x(16+12)), o (4x12)x64, the router 64x8, 3 of the 8 experts (3 x 64x32 each) and the shared
