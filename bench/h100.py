@@ -19,10 +19,10 @@ it finishes, skips rows already there, starts no row after --max-seconds, and st
 device: `python bench/h100.py run --out $OUT/h100.md; cp build/h100/results.jsonl $OUT/` (carry build/h100);
 copy results.jsonl back into build/h100 here before the next call, which picks up where the last one stopped.
 
-No row measures the MoE's all-to-all dispatch (MeshRule.moe_dispatch, docs/moe_dispatch.md): one H100 holds every
-expert, expert degree 1, and the lowering gives a program with unsplit experts no dispatch at all, so an
-`all_to_all` Mixtral-width row would run the very program the Mixtral-width row runs and measure nothing new. Its
-collective bytes need 8 or more GPUs (expert=8 for Mixtral's 8 experts); `axgen aot` reports them without any.
+The MoE's two dispatches (MeshRule.moe_dispatch, docs/moe_dispatch.md) are two rows, Mixtral's width with its 8
+experts split 8 ways, when the machine has 8 GPUs or more (`prepare --target gpu-h100-8`): on one GPU every expert is
+on the device, and the lowering gives such a program no dispatch at all, so those rows are left out and the table
+says so.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ MODELS = {
     "llama3-8b width": ("llama3_8b", "num_layers=4", ""),
     "mixtral width": ("mixtral_8x7b", "num_layers=2", ""),
 }
-SPEC = """from axgen.spec import features as F
+SPEC = """from axgen.spec import MeshRule
+from axgen.spec import features as F
 from axgen.specs.{base} import spec as base
 
 spec = base.replace(
@@ -57,9 +58,13 @@ spec = base.replace(
     decoder=base.decoder.replace({layers}),
     {features}train=base.train.replace(seq_len={seq_len}, global_batch={batch}, steps=1000, warmup_steps=10, checkpoint_every=1000),
     targets=["{target}"],
-    mesh_rules=[],
+    mesh_rules=[{rule}],
 )
 """
+# The dispatch rows split the experts over as many devices as there are experts (Mixtral's 8; moe_tiny's 4).
+DISPATCH_RULE = (
+    "MeshRule('{target}', {{'expert': {experts}, 'fsdp': -1}}, why='bench', moe_dispatch='{dispatch}')"
+)
 # Flags tried on the dense program (added after the target's own, so they win); each row says what it measured.
 FLAGS = {
     "no latency-hiding scheduler": "--xla_gpu_enable_latency_hiding_scheduler=false",
@@ -82,6 +87,8 @@ def prepare(out: Path, target: str, seq_len: int, batch: int, tiny: bool, plan_c
     from axgen.build import build
     from axgen.corpus import module_sources
     from axgen.data import write_dataset
+    from axgen.backends import plan_for
+    from axgen.loader import load_spec
     from axgen.plan import search
 
     shutil.rmtree(out, ignore_errors=True)
@@ -99,20 +106,31 @@ def prepare(out: Path, target: str, seq_len: int, batch: int, tiny: bool, plan_c
     )
     _download_wheels(out / "wheels")
     rows = []
-    for name, (base, layers, features) in MODELS.items():
+    moe = load_spec(ROOT / "specs" / f"{'moe_tiny' if tiny else MODELS['mixtral width'][0]}.py")
+    experts = moe.feature("moe").num_experts
+    dispatches = ("all_gather", "all_to_all") if plan_for(moe, target).num_devices >= experts else ()
+    models = {
+        **MODELS,
+        **{f"mixtral width, expert={experts}, {d}": MODELS["mixtral width"] for d in dispatches},
+    }
+    for name, (base, layers, features) in models.items():
         if tiny:
             base, layers = ("moe_tiny" if "mixtral" in name else "llama_tiny"), "num_layers=2"
             features = "" if name == "fp8" else features  # CPU has no fp8 dots
-        spec = out / "specs" / f"{name.split()[0].replace('-', '_')}.py"
+        dispatch = next((d for d in dispatches if name.endswith(d)), None)
+        rule = DISPATCH_RULE.format(target=target, experts=experts, dispatch=dispatch) if dispatch else ""
+        stem = name.split()[0].replace("-", "_") + (f"_{dispatch}" if dispatch else "")
+        spec = out / "specs" / f"{stem}.py"
         spec.write_text(
             SPEC.format(
                 base=base,
-                name=name.split()[0],
+                name=stem.replace("_", "-"),
                 layers=layers,
                 features=features,
                 seq_len=seq_len,
                 batch=batch,
                 target=target,
+                rule=rule,
             )
         )
         rows += _program_rows(out, spec, name, target, build, compile_target)
@@ -323,6 +341,7 @@ def main() -> int:
     p = sub.add_parser("prepare")
     p.add_argument("--out", type=Path, default=ROOT / "build/h100")
     p.add_argument("--plan-compiles", type=int, default=16)
+    p.add_argument("--target", default="gpu-h100-1", help="gpu-h100-8 on 8 GPUs adds the MoE dispatch rows")
     r = sub.add_parser("run")
     r.add_argument("--dir", type=Path, default=ROOT / "build/h100")
     r.add_argument("--steps", type=int, default=30)
@@ -335,7 +354,7 @@ def main() -> int:
     sub.add_parser("smoke")
     args = parser.parse_args()
     if args.command == "prepare":
-        prepare(args.out, "gpu-h100-1", 4096, 8, tiny=False, plan_compiles=args.plan_compiles)
+        prepare(args.out, args.target, 4096, 8, tiny=False, plan_compiles=args.plan_compiles)
     elif args.command == "run":
         table = run(args.dir, args)
         print(table, end="")

@@ -11,7 +11,7 @@ import pytest
 from axgen import plan as planning
 from axgen.aot import candidate_rule, refused_temporaries
 from axgen.backends import plan_for
-from axgen.build import build
+from axgen.build import build, default_output
 from axgen.cli import main as axgen
 from axgen.loader import load_spec
 from tests.conftest import ROOT
@@ -255,3 +255,37 @@ def test_a_candidate_s_program_names_its_spec_file_and_shows_jax_the_target_s_de
         "--xla_force_host_platform_device_count=16",
     )
     assert plan_for(load_spec(ROOT / "specs/llama_tiny.py"), "cpu-1").xla_flags == ()
+
+
+def _code(source: str) -> list[str]:
+    """A program's lines without comments: a candidate's names `axgen plan` where the spec's names its rule."""
+    return [
+        line.split("  #")[0].rstrip() for line in source.splitlines() if not line.lstrip().startswith("#")
+    ]
+
+
+def test_every_row_of_docs_aot_md_is_planned_in_one_compile_or_shown_to_have_no_fit_in_none():
+    """Issue 27, part 8, on every spec x target docs/aot.md compiles. Where the row fits, the plan's first compile
+    is that row's program (the target's own rule, the same code as generated/), so it finds a fit within 1 of 6
+    compiles. Where it does not, no mesh of the search can hold the params and their AdamW moments, so none exists
+    and the plan compiles nothing."""
+    lines = (ROOT / "docs/aot.md").read_text().split("\n## ")[0].splitlines()
+    table = [[cell.strip() for cell in line.strip("|").split("|")] for line in lines if line.startswith("| ")]
+    rows = {
+        (cells["spec"], cells["target"]): cells for cells in (dict(zip(table[0], row)) for row in table[1:])
+    }
+    for spec_file in sorted(p for p in (ROOT / "specs").glob("*.py") if p.name != "__init__.py"):
+        spec = load_spec(spec_file)
+        for target in spec.targets:
+            assert (spec.name, target) in rows, f"docs/aot.md has no row for {spec.name} on {target}"
+            plan = plan_for(spec, target)
+            if rows.pop((spec.name, target))["fits"] == "yes":
+                own = planning.own_candidate(spec, plan)
+                candidate = build(spec_file, target, candidate_rule(target, own.fields())).source
+                assert _code(candidate) == _code(
+                    default_output(spec_file, target, ROOT / "generated").read_text()
+                )
+            else:
+                built, meshes = build(spec_file, target), planning._meshes(spec, plan)
+                assert not any(planning._holds_the_state(m, built, plan, print) for m in meshes), target
+    assert not rows, f"docs/aot.md has rows of no spec's target: {sorted(rows)}"
