@@ -14,12 +14,13 @@ the slowest of four resources at the chip's published peak rate, as if the other
 - collectives: bytes its collectives move, against the inter-device link.
 
 To keep the compiles few, memory decides the order. A mesh on which the params and their optimizer state alone
-cannot fit a device is pruned before anything is compiled. The target's own rule (the spec's mesh rule or the backend's
-default) is compiled first. Then, for each mesh and policy the largest microbatch that fits is
-searched from the top down (a smaller one only adds passes and weight gathers), and a policy is skipped where one
-that keeps no more already failed at that size or smaller. Each compile also bounds what smaller passes can need
+cannot fit a device is pruned before anything is compiled. The target's own rule (the spec's mesh rule or the
+backend's default) is compiled first. Then, for each mesh and policy the largest microbatch that fits is searched
+from the top down (a smaller one only adds passes and weight gathers), and a policy is skipped where one that keeps
+no more already failed at that size or smaller. Each compile also bounds what smaller passes can need
 (`_least_peak`: temporaries shrink at most in proportion to the pass), on its own mesh and on those that shard the
-params less finely, so sizes that cannot fit are pruned, and said so, without compiling them. The splash block length is tried last, on the best few.
+params less finely, so sizes that cannot fit are pruned, and said so, without compiling them. The splash block
+length is tried last, on the best few.
 """
 
 from __future__ import annotations
@@ -66,7 +67,6 @@ KEPT_ON_DEVICE = {
 MODEL_SPLITS = (1, 2, 4, 8)  # tensor parallelism beyond 8 leaves a host's fast links
 DATA_SPLITS = (1, 2, 4, 8)
 SPLASH_BLOCKS = (256, 512, 1024)
-
 BLOCKS_TRIED_ON = 3  # the best candidates whose splash block length is varied
 
 

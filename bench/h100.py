@@ -21,8 +21,7 @@ copy results.jsonl back into build/h100 here before the next call, which picks u
 
 The MoE's two dispatches (MeshRule.moe_dispatch, docs/moe_dispatch.md) are two rows, Mixtral's width with its 8
 experts split 8 ways, when the machine has 8 GPUs or more (`prepare --target gpu-h100-8`): on one GPU every expert is
-on the device, and the lowering gives such a program no dispatch at all, so those rows are left out and the table
-says so.
+on the device, and the lowering gives such a program no dispatch at all, so those rows are left out.
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ FAMILY = Family(
     name="cpu",
     pattern=r"cpu-(\d+)",
     display="cpu-N",
-    # Nominal: one AVX2 core of a 24 GiB host (this project's CI machine), 2 FMA units x 8 float32 lanes x 2 FLOPs x ~3 GHz.
+    # Nominal: one AVX2 core of a 24 GiB host (this project's CI machine), 2 FMA units x 8 float32 lanes x 2 FLOPs
+    # x ~3 GHz.
     # XLA's CPU backend has a native int8 dot with int32 accumulation; fp8 and host offload it does not have.
     chip=Chip(
         "host CPU core",

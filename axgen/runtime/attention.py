@@ -34,10 +34,10 @@ def causal_attention(
     **splash_options,
 ):
     """Causal attention by `implementation`: "splash" (then `block` and `rules`, the program's SPLASH_BLOCK and
-    LOGICAL_AXIS_RULES, are needed), "cudnn" (then `rules`) or "xla". With a `window`, each query sees only the last `window`
-    positions, itself included; a `softcap` squashes each score to softcap * tanh(score / softcap) before the
-    softmax; `sinks` [heads] is a learned logit per head that joins every query's softmax without a value
-    (gpt-oss); the scores are q.k * `scale` (None: head_dim**-0.5)."""
+    LOGICAL_AXIS_RULES, are needed), "cudnn" (then `rules`) or "xla". With a `window`, each query sees only the
+    last `window` positions, itself included; a `softcap` squashes each score to softcap * tanh(score / softcap)
+    before the softmax; `sinks` [heads] is a learned logit per head that joins every query's softmax without a
+    value (gpt-oss); the scores are q.k * `scale` (None: head_dim**-0.5)."""
     if implementation == "splash":
         return splash_attention(
             q, k, v, segment_ids, window=window, softcap=softcap, scale=scale, sinks=sinks, rules=rules,
