@@ -2,18 +2,28 @@
 
 import os
 
-# Emitted programs run as a user runs them: they set their own fake device count, which the user's XLA_FLAGS
-# would override.
-PROGRAM_ENV = dict(os.environ, JAX_PLATFORMS="cpu")
+FAKE_DEVICES = "--xla_force_host_platform_device_count="
+# Emitted programs run as a user runs them: they set their own fake device count, which a count in XLA_FLAGS
+# would override. (pytest-xdist's workers inherit the count this file sets in the process that starts them.)
+PROGRAM_ENV = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    XLA_FLAGS=" ".join(f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(FAKE_DEVICES)),
+)
 os.environ["JAX_PLATFORMS"] = "cpu"
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+os.environ["XLA_FLAGS"] = f"{PROGRAM_ENV['XLA_FLAGS']} {FAKE_DEVICES}8".strip()
 
 import ast  # noqa: E402
+import contextlib  # noqa: E402
+import dataclasses  # noqa: E402
+import fcntl  # noqa: E402
+import io  # noqa: E402
+import json  # noqa: E402
 import re  # noqa: E402
+import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
+import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -21,9 +31,13 @@ import pytest  # noqa: E402
 
 from axgen.corpus import module_sources  # noqa: E402
 from axgen.data import write_dataset  # noqa: E402
+from axgen.interop import load_program  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 STEP_LINE = re.compile(r"^step (\d+) \| loss ([0-9.]+)", re.MULTILINE)
+CPU_8 = ROOT / "generated/llama_tiny/cpu_8.py"
+# The shared run evaluates twice, at steps 10 and 20.
+EVAL = ("--eval-every", "10", "--eval-batches", "2")
 
 
 def byte_documents() -> list[np.ndarray]:
@@ -37,6 +51,11 @@ def corpus(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("data") / "bytes"
     write_dataset(path, byte_documents(), vocab_size=256, bos_id=None, eos_id=0, eval_fraction=0.05)
     return path
+
+
+def losses_in(log: str) -> dict[int, float]:
+    """{step: loss} of the step lines a run printed."""
+    return {int(step): float(loss) for step, loss in STEP_LINE.findall(log)}
 
 
 def train(program: Path, data: Path, run_dir: Path, steps: int, *extra: str) -> dict[int, float]:
@@ -91,3 +110,109 @@ def moe_options(program) -> dict:
     switch, tiles, rules), less those that name its params (`p[...]`: the correction bias, the biases)."""
     first, *_ = moe_calls(Path(program.__file__).read_text())
     return {k: eval(v, vars(program)) for k, v in first.items() if "p[" not in v}
+
+
+_LOADED: dict[Path, object] = {}
+
+
+def run_in_process(program: Path, *argv) -> subprocess.CompletedProcess:
+    """Runs an emitted program's `main(argv)` in this process, on its 8 fake CPU devices, and returns what
+    `python PROGRAM *argv` would: the exit code, what it printed, and on stderr a SystemExit's message or an
+    exception's traceback. The program is imported once, so a second run of it at the same batch reuses the
+    compiled steps of the first: resume, fault and refusal cases cost their steps, not a process and a compile
+    each. Where the point is a signal, a kill, a lock across processes or a second process, tests start one.
+    """
+    program = Path(program).resolve()
+    module = _LOADED.get(program) or _LOADED.setdefault(program, load_program(program))
+    sys.modules[module.__name__] = module  # main() finds its module there; a later load_program replaces it
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = module.main([str(arg) for arg in argv])
+        except SystemExit as exit:  # as the interpreter reports one: a message goes to stderr with exit 1
+            code = exit.code if isinstance(exit.code, int) or exit.code is None else 1
+            if not isinstance(exit.code, int) and exit.code is not None:
+                print(exit.code, file=sys.stderr)
+        except Exception:
+            traceback.print_exc()
+            code = 1
+    return subprocess.CompletedProcess(
+        [str(program), *map(str, argv)], code or 0, out.getvalue(), err.getvalue()
+    )
+
+
+def train_in_process(program: Path, data: Path, run_dir: Path, steps: int, *extra: str) -> str:
+    """run_in_process with the usual flags, logging every step; returns what it printed, failing the test on a
+    non-zero exit."""
+    result = run_in_process(program, *program_args(data, run_dir, steps), *extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedRun:
+    """The suite's one short training run of the tiny cpu-8 program, and the same run stopped and resumed.
+
+    `uninterrupted`: 20 steps in a process of its own, as a user runs it, evaluated at steps 10 and 20, with a
+    compilation cache folder (which a CPU mesh of several devices must leave unmade); its run dir holds the
+    metrics, TensorBoard events and the step-20 checkpoint. `resumed`: the same run stopped after steps 2 and 4
+    and resumed to 20 (in this process); `two_checkpoints`: a copy of it as it was at step 4, with checkpoints
+    at steps 2 and 4, for tests that damage one. `logs` are what each leg printed, in order."""
+
+    uninterrupted: Path
+    uninterrupted_log: str
+    resumed: Path
+    logs: tuple[str, ...]
+    two_checkpoints: Path
+    cache: Path
+
+    @property
+    def losses(self) -> dict[int, float]:
+        """{step: loss} of the uninterrupted run's metrics.jsonl, as the program wrote them."""
+        records = map(json.loads, (self.uninterrupted / "metrics.jsonl").read_text().splitlines())
+        return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+
+@pytest.fixture(scope="session")
+def shared_run(corpus, tmp_path_factory) -> SharedRun:
+    # Under pytest-xdist each worker is a session, in a folder of the whole run's: the first worker to get here
+    # makes the run, the others read it.
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "shared_run"
+    with open(root.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        record = root / "run.json"
+        if not record.exists():
+            made = make_shared_run(root, corpus)
+            record.write_text(json.dumps(dataclasses.asdict(made), default=str))
+            return made
+    fields = json.loads(record.read_text())
+    return SharedRun(
+        **{name: Path(value) for name, value in fields.items() if name not in ("uninterrupted_log", "logs")},
+        uninterrupted_log=fields["uninterrupted_log"],
+        logs=tuple(fields["logs"]),
+    )
+
+
+def make_shared_run(root: Path, corpus: Path) -> SharedRun:
+    cache = root / "cache"
+    uninterrupted_log = run_python(
+        str(CPU_8),
+        *program_args(corpus, root / "uninterrupted", 20),
+        *EVAL,
+        "--compilation-cache",
+        str(cache),
+    )
+    logs = []
+    for steps in (2, 4, 20):
+        logs.append(train_in_process(CPU_8, corpus, root / "resumed", steps, *EVAL))
+        if steps == 4:
+            shutil.copytree(root / "resumed", root / "two_checkpoints")
+    return SharedRun(
+        uninterrupted=root / "uninterrupted",
+        uninterrupted_log=uninterrupted_log,
+        resumed=root / "resumed",
+        logs=tuple(logs),
+        two_checkpoints=root / "two_checkpoints",
+        cache=cache,
+    )

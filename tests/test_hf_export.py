@@ -11,13 +11,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
-from tests.conftest import ROOT, byte_documents, run_python
+from tests.conftest import ROOT
 
-from axgen.build import build
-from axgen.files import write_atomically
 from axgen.cli import main as axgen
 from axgen.corpus import module_sources
-from axgen.data import write_dataset
 from axgen.hf_export import hf_config
 from axgen.hf_import import import_config
 from axgen.loader import load_spec
@@ -187,19 +184,11 @@ def test_the_written_config_imports_back_to_the_same_model(name):
     assert [f.split("(")[0] for f in source.features] == [f"F.{f.pass_name}" for f in spec.features]
 
 
-def test_a_runs_newest_checkpoint_exports_with_its_tokenizer(tmp_path, capsys):
-    program = tmp_path / "llama_tiny_cpu_1.py"
-    write_atomically(program, build(ROOT / "specs/llama_tiny.py", "cpu-1").source)
-    write_dataset(
-        tmp_path / "data", byte_documents()[:5], vocab_size=256, bos_id=None, eos_id=0, eval_fraction=0
-    )
-    run_python(
-        str(program), "--data", str(tmp_path / "data"), "--run-dir", str(tmp_path / "run"), "--steps", "3"
-    )
+def test_a_runs_newest_checkpoint_exports_with_its_tokenizer(shared_run, tmp_path, capsys):
     tokenizer = small_tokenizer(tmp_path, capsys)
     code, output = run(
         capsys,
-        *("export-hf", ROOT / "specs/llama_tiny.py", "--ckpt", tmp_path / "run", "--out", tmp_path / "out"),
+        *("export-hf", ROOT / "specs/llama_tiny.py", "--ckpt", shared_run.resumed, "--out", tmp_path / "out"),
         *("--tokenizer", tokenizer),
     )
     assert code == 0, output

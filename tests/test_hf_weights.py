@@ -151,8 +151,10 @@ def test_overlapping_tensors_in_a_shard_are_refused(tmp_path, capsys):
 
 def test_ctrl_c_during_a_conversion_stops_it_with_nothing_written(tmp_path, capsys, monkeypatch):
     """An interrupt is held until the next tensor, then stops the conversion: exit 130, no checkpoint, no staging
-    folder."""
+    folder; the handler found before is put back (Python's own, or SIG_IGN in a job started in the background).
+    """
     save_sharded(tmp_path / "hf", state_dict())
+    handler = signal.getsignal(signal.SIGINT)
     reads = []
     original = HFCheckpoint.__getitem__
 
@@ -167,7 +169,7 @@ def test_ctrl_c_during_a_conversion_stops_it_with_nothing_written(tmp_path, caps
     assert (code, output) == (130, "axgen: interrupted\n")
     assert len(reads) == 3, "stopped at the next tensor"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is handler
 
 
 def test_a_truncated_shard_is_named(tmp_path, capsys):

@@ -120,14 +120,21 @@ def variant(tmp_path, quantize_args, moe_args=""):
 EXPERTS = 'include=r"moe_layers/moe"'
 
 
+@pytest.fixture(scope="module")
+def unquantized_losses(corpus):
+    return train_losses(load_program(ROOT / "generated/moe_tiny/cpu_1.py"), corpus)
+
+
 @pytest.mark.parametrize("dtype", ["int8", "fp8"])
-def test_a_tiny_moe_with_quantized_experts_trains_about_as_well_as_without(tmp_path, corpus, dtype):
+def test_a_tiny_moe_with_quantized_experts_trains_about_as_well_as_without(
+    tmp_path, corpus, dtype, unquantized_losses
+):
     path = variant(tmp_path, f'dtype="{dtype}", emulate=True, {EXPERTS}')
     out = tmp_path / "program.py"
     write_atomically(out, build(path, "cpu-1").source)
     quantized = load_program(out)
     assert f'quantize="{dtype}"' in out.read_text()
-    baseline = train_losses(load_program(ROOT / "generated/moe_tiny/cpu_1.py"), corpus)
+    baseline = unquantized_losses
     losses = train_losses(quantized, corpus)
     assert losses[-5:].mean() < losses[0] - 1.5
     assert losses[-5:].mean() <= 1.1 * baseline[-5:].mean(), (losses[-5:], baseline[-5:])

@@ -1,22 +1,28 @@
 """The emitted CPU program trains on 8 fake devices, evaluates, logs, resumes exactly, and shards without changing
 results."""
 
-import concurrent.futures
 import fcntl
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
-from tests.conftest import ROOT, program_args, python_result, train, train_log
+from tests.conftest import (
+    CPU_8,
+    ROOT,
+    losses_in,
+    program_args,
+    run_in_process,
+    train,
+    train_in_process,
+)
 
 from axgen.cli import main as axgen
 from axgen.interop import load_program
 from axgen.runtime.program import Program
 
-CPU_8 = ROOT / "generated/llama_tiny/cpu_8.py"
 CPU_1 = ROOT / "generated/llama_tiny/cpu_1.py"
-EVAL = ("--eval-every", "10", "--eval-batches", "2")
 
 
 def checkpoints(run_dir) -> list[int]:
@@ -29,37 +35,41 @@ def records(run_dir, key):
     return {r["step"]: r[key] for r in map(json.loads, lines) if key in r}
 
 
-def test_loss_falls_and_resume_matches_uninterrupted_run_bit_for_bit(corpus, tmp_path):
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # separate processes: side by side on two cores
-        uninterrupted, _ = pool.map(
-            lambda run: train(CPU_8, corpus, tmp_path / run[0], run[1], *EVAL), [("a", 20), ("b", 8)]
-        )
-    assert checkpoints(tmp_path / "b") == [8], "saved at the end only: no save of step 1, none between"
-    second_half = train(CPU_8, corpus, tmp_path / "b", 20, *EVAL)
-    assert checkpoints(tmp_path / "b") == [8, 20]
+def test_loss_falls_and_resume_matches_uninterrupted_run_bit_for_bit(shared_run):
+    first, second, last = (losses_in(log) for log in shared_run.logs)
+    assert sorted(first) == [1, 2] and sorted(second) == [3, 4] and sorted(last) == list(range(5, 21))
+    assert "resumed from step 4" in shared_run.logs[2]
+    assert checkpoints(shared_run.two_checkpoints) == [2, 4], "saved at each run's end only, none between"
+    assert checkpoints(shared_run.resumed) == [2, 4, 20]
 
+    uninterrupted = shared_run.losses
     assert sorted(uninterrupted) == list(range(1, 21))
     assert uninterrupted[20] < uninterrupted[1] - 1.5, uninterrupted
-    assert sorted(second_half) == list(range(9, 21)), "the second run must resume at step 9"
-    losses = records(tmp_path / "a", "loss")
+    losses = records(shared_run.uninterrupted, "loss")
     assert sorted(losses) == list(range(1, 21))
-    assert records(tmp_path / "b", "loss") == losses, "the resumed run's losses are the uninterrupted run's"
-    evals = records(tmp_path / "a", "eval_loss")
+    assert (
+        records(shared_run.resumed, "loss") == losses
+    ), "the resumed run's losses are the uninterrupted run's"
+    evals = records(shared_run.uninterrupted, "eval_loss")
     assert sorted(evals) == [10, 20] and evals[20] < evals[10]
-    resumed_evals = records(tmp_path / "b", "eval_loss")
-    assert sorted(resumed_evals) == [8, 10, 20], "each run evaluates at its end"
+    resumed_evals = records(shared_run.resumed, "eval_loss")
+    assert sorted(resumed_evals) == [2, 4, 10, 20], "each run evaluates at its end"
     assert (resumed_evals[10], resumed_evals[20]) == (evals[10], evals[20])
 
 
-def test_a_run_logs_metrics_and_tensorboard_events_and_its_report_draws_them(corpus, tmp_path):
-    log = train_log(CPU_8, corpus, tmp_path, 12, "--log-every", "4", *EVAL)
-    assert "eval step 12 | loss" in log and "perplexity" in log and "s left" in log
-    last = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-2])
-    assert last["step"] == 12 and last["tokens"] == 12 * 16 * 128
+def test_a_run_logs_metrics_and_tensorboard_events_and_its_report_draws_them(shared_run, tmp_path):
+    log = shared_run.uninterrupted_log
+    assert "eval step 20 | loss" in log and "perplexity" in log and "s left" in log
+    last = json.loads((shared_run.uninterrupted / "metrics.jsonl").read_text().splitlines()[-2])
+    assert last["step"] == 20 and last["tokens"] == 20 * 16 * 128
     assert {"loss", "cross_entropy", "grad_norm", "lr", "tokens_per_second", "mfu", "elapsed_s"} <= set(last)
-    assert [p.name.split(".")[0] for p in (tmp_path / "tensorboard").iterdir()] == ["events"]
-    assert axgen(["report", str(tmp_path)]) == 0
-    assert (tmp_path / "report.png").read_bytes().startswith(b"\x89PNG")
+    assert [p.name.split(".")[0] for p in (shared_run.uninterrupted / "tensorboard").iterdir()] == ["events"]
+    run_dir = (
+        tmp_path / "run"
+    )  # the report is written into the run dir: a copy keeps the shared one as it ran
+    shutil.copytree(shared_run.uninterrupted, run_dir)
+    assert axgen(["report", str(run_dir)]) == 0
+    assert (run_dir / "report.png").read_bytes().startswith(b"\x89PNG")
 
 
 def test_sharded_forward_equals_single_device_forward():
@@ -80,20 +90,21 @@ def test_sharded_forward_equals_single_device_forward():
 def test_a_second_run_on_the_same_directory_is_refused_naming_the_first_and_so_are_steps_it_reached(
     corpus, tmp_path
 ):
+    # flock locks an open file, not a process: a run in this process is refused as one in another would be.
     tmp_path.mkdir(exist_ok=True)
     with open(tmp_path / ".lock", "a+") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         held.write(f"pid {os.getpid()} on this test")
         held.flush()
-        result = python_result(str(CPU_8), *program_args(corpus, tmp_path, 2))
+        result = run_in_process(CPU_8, *program_args(corpus, tmp_path, 2))
     assert result.returncode == 1
     assert (
         result.stderr.strip()
         == f"error: {tmp_path} is in use by another run (pid {os.getpid()} on this test)"
     )
     assert not (tmp_path / "checkpoints").exists()
-    train(CPU_8, corpus, tmp_path, 2)  # the lock of a run that ended does not hold
-    result = python_result(str(CPU_8), *program_args(corpus, tmp_path, 2))
+    train_in_process(CPU_8, corpus, tmp_path, 2)  # the lock of a run that ended does not hold
+    result = run_in_process(CPU_8, *program_args(corpus, tmp_path, 2))
     assert result.returncode == 2
     assert result.stderr.strip().endswith(
         f"error: --steps 2 is not beyond step 2, where {tmp_path / 'checkpoints'} resumes"
@@ -114,7 +125,7 @@ def test_a_restarted_run_reuses_its_compiled_step_from_the_cache(corpus, tmp_pat
     ), "the resumed run compiled no new step"
 
 
-def test_a_cpu_mesh_of_several_devices_keeps_no_compiled_steps(corpus, tmp_path):
-    """Read back from the cache, XLA:CPU executables deadlocked in their collectives (3 runs in 5)."""
-    train(CPU_8, corpus, tmp_path / "run", 2, "--compilation-cache", str(tmp_path / "cache"))
-    assert not (tmp_path / "cache").exists()
+def test_a_cpu_mesh_of_several_devices_keeps_no_compiled_steps(shared_run):
+    """Read back from the cache, XLA:CPU executables deadlocked in their collectives (3 runs in 5): the shared
+    run was given a cache folder."""
+    assert not shared_run.cache.exists()
