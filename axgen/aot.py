@@ -357,10 +357,14 @@ def _count(pattern: re.Pattern, hlo: str) -> dict[str, int]:
     return dict(sorted(collections.Counter(pattern.findall(hlo)).items()))
 
 
+# The markdown report's first line: `axgen aot --report` replaces a file that begins with it without --force.
+REPORT_TITLE = "# Ahead-of-time compilation: every spec on every target"
+
+
 def markdown(reports: list[Report], failures: list[str], command: str) -> str:
     """docs/aot.md: every spec x target, HBM per device and whether it fits."""
     lines = [
-        "# Ahead-of-time compilation: every spec on every target",
+        REPORT_TITLE,
         "",
         f"Regenerate with `{command}`. Each row compiles the program in `generated/` for its target's chips",
         "without them: TPU through libtpu's topology, H100 through the CUDA plugin, Trainium and CPU on fake CPU",

@@ -10,15 +10,16 @@ import dataclasses
 import json
 import math
 import multiprocessing
+import re
 import sys
 import time
 import typing
 from datetime import date
 from pathlib import Path
 
-from axgen.aot import AotError, compile_target, markdown
+from axgen.aot import REPORT_TITLE, AotError, compile_target, markdown
 from axgen.backends import FAMILIES, family_for, plan_for
-from axgen.build import build, default_output, lowered
+from axgen.build import build, default_output, lowered, program_header
 from axgen.corpus import write_corpus
 from axgen.chat import load_chat_template
 from axgen.data import build_chat_dataset, build_dataset, summary
@@ -35,7 +36,7 @@ from axgen.passes import PassError, run_passes
 from axgen.placement import uneven
 from axgen.plan import PlanError, search, table, write_rule
 from axgen.report import ReportError, write_report
-from axgen.spec import MESH_AXES, SpecError
+from axgen.spec import MESH_AXES, Model, SpecError
 from axgen.tokenizer import load_tokenizer, train_tokenizer
 
 SPECS = Path("specs")
@@ -122,6 +123,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--out", type=_path, help="output file (default generated/<spec>/<target>.py)")
     b.add_argument("--all", action="store_true", help="every spec in specs/ for each of its targets")
     b.add_argument("--check", action="store_true", help="write nothing; exit 1 if generated/ is stale")
+    b.add_argument(
+        "--force", action="store_true", help="replace an existing file that is not a program of this spec"
+    )
     b.set_defaults(run=_build)
 
     g = sub.add_parser("graph", help="print the IR of a spec: as built, after its feature passes, or lowered")
@@ -151,6 +155,9 @@ def _parser() -> argparse.ArgumentParser:
         "--report", type=_path, help="also write a markdown table of the results, e.g. docs/aot.md"
     )
     a.add_argument("--timeout", type=_positive_float, help="seconds one compile may take")
+    a.add_argument(
+        "--force", action="store_true", help="replace an existing --report that is not an aot report"
+    )
     a.set_defaults(run=_aot, out=None, check=False)
 
     pl = sub.add_parser(
@@ -175,6 +182,7 @@ def _parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("corpus", help="write the bundled demo corpus: one .txt document per stdlib module")
     c.add_argument("out", type=_path, help="directory to write into")
+    c.add_argument("--force", action="store_true", help="write into an existing directory")
     c.set_defaults(run=_corpus)
 
     d = sub.add_parser("data", help="tokenize text, JSON Lines or Parquet files into a sharded token dataset")
@@ -230,6 +238,7 @@ def _parser() -> argparse.ArgumentParser:
     r = sub.add_parser("report", help="draw a run's metrics.jsonl into a PNG and print a summary table")
     r.add_argument("run_dir", type=_path, help="the --run-dir of an emitted program's run")
     r.add_argument("--out", type=_path, help="PNG to write (default RUN_DIR/report.png)")
+    r.add_argument("--force", action="store_true", help="replace an existing --out")
     r.set_defaults(run=_report)
 
     h = sub.add_parser("import-hf", help="write a spec file from a Hugging Face config.json")
@@ -309,8 +318,15 @@ def _read_options(args) -> ReadOptions:
     return ReadOptions(args.field or default, args.column or default, args.doc_per_line, args.skip_bad)
 
 
-def _jobs(args) -> list[tuple[Path, str, Path]]:
-    """(spec file, target, output path) for every program the command covers."""
+class _Job(typing.NamedTuple):
+    spec_file: Path
+    spec: Model
+    target: str
+    out: Path
+
+
+def _jobs(args) -> list[_Job]:
+    """Every program the command covers."""
     if args.all == bool(args.spec):
         raise SpecError("give a spec file or --all (not both)")
     if args.all and args.out:
@@ -331,25 +347,25 @@ def _jobs(args) -> list[tuple[Path, str, Path]]:
         for target in targets:
             family_for(spec, target)
             out = args.out or default_output(spec_file, target, GENERATED)
-            jobs.append((spec_file, target, out))
+            jobs.append(_Job(spec_file, spec, target, out))
     return jobs
 
 
 def _build(args) -> int:
     jobs = _jobs(args)
     if not args.check:
-        for _, _, out in jobs:
-            check_output_file(out)
+        for job in jobs:
+            check_output_file(job.out, force=args.force, header=program_header(job.spec))
     stale = []
     # Formatting dominates and each program is independent: several are built one process per core, spawned (the
     # caller may hold threads, which fork could copy mid-lock).
-    work = [(spec_file, target) for spec_file, target, _ in jobs]
+    work = [(job.spec_file, job.target) for job in jobs]
     if len(work) > 1:
         with concurrent.futures.ProcessPoolExecutor(mp_context=multiprocessing.get_context("spawn")) as pool:
             sources = list(pool.map(_source, work))
     else:
         sources = [_source(job) for job in work]
-    for (_, _, out), (source, warning) in zip(jobs, sources):
+    for out, (source, warning) in zip((job.out for job in jobs), sources):
         if warning:
             print(f"axgen: warning: {warning}", file=sys.stderr)
         if args.check:
@@ -359,7 +375,7 @@ def _build(args) -> int:
             write_atomically(out, source)
             print(f"wrote {out}")
     if args.check and args.all:
-        expected = {str(out) for _, _, out in jobs}
+        expected = {str(job.out) for job in jobs}
         stale += sorted(str(p) for p in GENERATED.glob("*/*.py") if str(p) not in expected)
     if stale:
         print("axgen: stale or unexpected generated files (run `make generate`):", file=sys.stderr)
@@ -396,11 +412,11 @@ def _explain(args) -> int:
 def _aot(args) -> int:
     """Exit 1 when a program does not fit its chip's memory (or, with --all, when a compile failed)."""
     if args.report:
-        check_output_file(args.report)
+        check_output_file(args.report, force=args.force, header=re.compile(re.escape(REPORT_TITLE)))
     reports, failures = [], []
-    for spec_file, target, _ in _jobs(args):
+    for job in _jobs(args):
         try:
-            report = compile_target(spec_file, target, timeout=args.timeout)
+            report = compile_target(job.spec_file, job.target, timeout=args.timeout)
         except AotError as err:
             if not args.all:
                 raise
@@ -444,14 +460,26 @@ def _plan(args) -> int:
 
 
 def _mesh(text: str) -> dict[str, int]:
-    try:
-        mesh = {axis: int(size) for axis, size in (part.split("=") for part in text.split(","))}
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"is not axis=size[,axis=size...]: {text!r}") from None
-    unknown = set(mesh) - set(MESH_AXES)
-    if unknown:
+    """One split, checked as a MeshRule's mesh is: known axes, each once, sizes >= 1 or a single -1."""
+    mesh: dict[str, int] = {}
+    for part in text.split(","):
+        try:
+            axis, size_text = part.split("=")
+            size = int(size_text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"is not axis=size[,axis=size...]: {text!r}") from None
+        if axis not in MESH_AXES:
+            raise argparse.ArgumentTypeError(f"{text!r} names {axis}, not one of {', '.join(MESH_AXES)}")
+        if axis in mesh:
+            raise argparse.ArgumentTypeError(f"{text!r} gives {axis} twice: give each axis once")
+        if size < 1 and size != -1:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} gives {axis}={size}: a size is >= 1, or -1 for the devices left over"
+            )
+        mesh[axis] = size
+    if list(mesh.values()).count(-1) > 1:
         raise argparse.ArgumentTypeError(
-            f"names {', '.join(sorted(unknown))}, not one of {', '.join(MESH_AXES)}"
+            f"{text!r} has more than one -1: only one axis takes the devices left over"
         )
     return mesh
 
@@ -465,7 +493,7 @@ def _targets(args) -> int:
 
 
 def _corpus(args) -> int:
-    check_output_dir(args.out)
+    check_output_dir(args.out, force=args.force)
     files = write_corpus(args.out)
     size = sum(path.stat().st_size for path in files)
     print(f"wrote {len(files)} documents ({size / 1e6:.1f} MB of Python source) to {args.out}")
@@ -480,7 +508,7 @@ def _data(args) -> int:
                 raise DataError(f"{flag} is for conversations: pass --chat (or --sharegpt) too")
     elif args.doc_per_line:
         raise DataError("--doc-per-line reads plain text; --chat reads JSON Lines or Parquet records")
-    check_output_dir(args.out)
+    check_output_dir(args.out, force=args.force)
     tokenizer = load_tokenizer(args.tokenizer, bos=args.bos, eos=args.eos)
     start = time.perf_counter()
     settings = dict(eval_fraction=args.eval_fraction, seed=args.seed, shard_tokens=args.shard_tokens)
@@ -506,7 +534,7 @@ def _data(args) -> int:
 
 
 def _import_hf(args) -> int:
-    check_output_file(args.out)
+    check_output_file(args.out, force=args.force)
     targets = tuple(args.target or ("cpu-8",))
     choices = TrainChoices(args.seq_len, args.batch, args.lr, args.steps, targets)
     spec = import_hf(args.config, args.out, choices, args.name, args.force)
@@ -517,7 +545,7 @@ def _import_hf(args) -> int:
 
 
 def _convert_hf(args) -> int:
-    check_output_dir(args.out)
+    check_output_dir(args.out, force=args.force)
     spec = load_spec(args.spec)
     params = convert_hf(spec, args.hf, args.out, overwrite=args.force)
     leaves = [
@@ -529,7 +557,7 @@ def _convert_hf(args) -> int:
 
 
 def _export_hf(args) -> int:
-    check_output_dir(args.out)
+    check_output_dir(args.out, force=args.force)
     spec = load_spec(args.spec)
     shard_bytes = int(args.shard_gb * 10**9)
     dtype = export_dtype(spec, args.dtype)
@@ -550,8 +578,9 @@ def _export_hf(args) -> int:
 
 
 def _report(args) -> int:
+    # RUN_DIR/report.png is the command's own, redrawn as the run goes on; a PNG elsewhere may be anyone's.
     if args.out:
-        check_output_file(args.out)
+        check_output_file(args.out, force=args.force)
     png, table = write_report(args.run_dir, args.out)
     print(table, end="")
     print(f"wrote {png}")
@@ -559,7 +588,7 @@ def _report(args) -> int:
 
 
 def _tokenizer_train(args) -> int:
-    check_output_file(args.out)
+    check_output_file(args.out, force=args.force)
     tokenizer, skipped = train_tokenizer(
         args.inputs, args.vocab_size, args.out, _read_options(args), overwrite=args.force
     )

@@ -23,20 +23,36 @@ class OutputError(ValueError):
     """One line naming an output path that cannot be written, and why."""
 
 
-def check_output_file(path: Path) -> None:
-    """Refuses a file output that could not be written: a folder already at `path`, or a parent that is a file
-    or not writable."""
+def check_output_file(path: Path, *, force: bool, header: re.Pattern[str] | None = None) -> None:
+    """Refuses a file output that could not be written (a folder already at `path`, or a parent that is a file
+    or not writable) or that would replace a file without `force`. A file whose first line matches `header` is
+    one axgen wrote for the same thing (a program of the same spec file), which the command regenerates: it is
+    replaced without `force`."""
     if path.is_dir():
         raise OutputError(f"{path}: is a directory; a file is expected here")
     _check_parent(path)
+    if header is None or not _begins_with(path, header):
+        check_replaceable(path, force)
 
 
-def check_output_dir(path: Path) -> None:
-    """Refuses a folder output that could not be written: a file already at `path`, or a parent that is a file
-    or not writable."""
+def check_output_dir(path: Path, *, force: bool) -> None:
+    """Refuses a folder output that could not be written (a file already at `path`, or a parent that is a file
+    or not writable) or that is already there without `force`."""
     if path.exists() and not path.is_dir():
         raise OutputError(f"{path}: is not a directory; a directory is expected here")
     _check_parent(path)
+    check_replaceable(path, force)
+
+
+def _begins_with(path: Path, header: re.Pattern[str]) -> bool:
+    if not path.is_file():  # a FIFO or a device would block the read, and is no file axgen wrote
+        return False
+    try:
+        with path.open("rb") as f:
+            first_line = f.readline(4096)
+    except OSError:
+        return False
+    return header.fullmatch(first_line.decode("utf-8", "replace").rstrip("\r\n")) is not None
 
 
 def _check_parent(path: Path) -> None:

@@ -252,6 +252,9 @@ KINDS: dict[str, tuple[Callable[[object], bool], str]] = {
     ),
     "number >= 0": (lambda v: _finite(v) and v >= 0, "a finite number >= 0"),
     "number >= 0 or null": (lambda v: v is None or (_finite(v) and v >= 0), "a finite number >= 0, or null"),
+    # YaRN's attention-temperature coefficient (DeepSeek's configs: 0.707, 1.0); MLA's softmax scale grows
+    # with its square, so a larger one is no temperature but a config error (1e300 overflows it to inf).
+    "YaRN mscale": (lambda v: v is None or (_finite(v) and 0 <= v <= 10), "a number from 0 to 10, or null"),
     "boolean": (lambda v: type(v) is bool, "true or false"),
     "boolean or null": (lambda v: v is None or type(v) is bool, "true, false or null"),
 }
@@ -347,7 +350,7 @@ class Config:
         """The key's value, which must be one of `allowed`: axgen does not implement the others."""
         value = self[key]
         if value not in allowed:
-            raise HFImportError(f"{self.path}: {key}={value!r} {why}")
+            raise HFImportError(f"{self.path}: {key}={_cut(repr(value))} {why}")
         return value
 
     def unaccounted(self) -> list[str]:
@@ -374,8 +377,12 @@ class SpecSource:
 
 
 def _shown(value) -> str:
-    """A value as an error shows it: short, on one line."""
-    text = json.dumps(value) if not isinstance(value, float) else repr(value)
+    """A value as an error shows it, as JSON spells it: short, on one line."""
+    return _cut(json.dumps(value) if not isinstance(value, float) else repr(value))
+
+
+def _cut(text: str) -> str:
+    """A value's text cut for an error line: a config's list or object may run to thousands of characters."""
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -402,7 +409,8 @@ def import_config(config: dict, path: str) -> tuple[SpecSource, Config]:
     model_type = config.get("model_type")
     if model_type not in FAMILIES:
         raise HFImportError(
-            f"{path}: model_type={model_type!r} is not one axgen imports (it imports {', '.join(FAMILIES)})"
+            f"{path}: model_type={_cut(repr(model_type))} is not one axgen imports "
+            f"(it imports {', '.join(FAMILIES)})"
         )
     c = Config(config, path, model_type)
     c.read.add("model_type")
@@ -412,8 +420,8 @@ def import_config(config: dict, path: str) -> tuple[SpecSource, Config]:
     if unaccounted:
         key = unaccounted[0]
         raise HFImportError(
-            f"{path}: {key}={config[key]!r} is a key axgen's {model_type} import does not know, so it stops "
-            f"rather than drop it"
+            f"{path}: {key}={_cut(repr(config[key]))} is a key axgen's {model_type} import does not know, so "
+            "it stops rather than drop it"
         )
     return source, c
 
@@ -425,7 +433,7 @@ def _checkpoint_dtype(c: Config) -> str | None:
     value = c.values.get(key)
     if value is not None and value not in CHECKPOINT_DTYPES:
         raise HFImportError(
-            f"{c.path}: {key}={value!r} is not a dtype axgen reads (bfloat16, float16, float32)"
+            f"{c.path}: {key}={_cut(repr(value))} is not a dtype axgen reads (bfloat16, float16, float32)"
         )
     return value
 
@@ -512,8 +520,8 @@ def _yarn_scaling(c: Config, key: str, parameters: dict) -> str:
             ("beta_fast", "positive number or null"),
             ("beta_slow", "positive number or null"),
             ("attention_factor", "positive number or null"),
-            ("mscale", "number >= 0 or null"),
-            ("mscale_all_dim", "number >= 0 or null"),
+            ("mscale", "YaRN mscale"),
+            ("mscale_all_dim", "YaRN mscale"),
             ("truncate", "boolean"),
         )
     }
@@ -580,9 +588,22 @@ def _layer_types(c: Config, kind: Callable[[int], str]) -> None:
         expected = [kind(layer) for layer in range(c["num_hidden_layers"])]
         if c["layer_types"] != expected:
             raise HFImportError(
-                f"{c.path}: layer_types={c['layer_types']!r} is not what axgen's {c.model_type} import maps "
-                f"({expected[:2]}...)"
+                f"{c.path}: layer_types={_cut(repr(c['layer_types']))} is not what axgen's {c.model_type} "
+                f"import maps ({expected[:2]}...)"
             )
+
+
+def _ignored_key(c: Config, key: str, computed, what: str) -> None:
+    """A key the family's transformers config does not read, which some published configs state anyway
+    (Qwen3-Coder's): accepted where it says what the family computes, refused where it says otherwise, as
+    axgen will not guess which the checkpoint means."""
+    c.read.add(key)
+    value = c.values.get(key, computed)
+    if type(value) is not type(computed) or value != computed:
+        raise HFImportError(
+            f"{c.path}: {key}={_shown(value)}: transformers' {c.model_type} ignores this key and computes "
+            f"{what}; state {_shown(computed)} or leave the key out"
+        )
 
 
 def _activation(c: Config, key: str, allowed: tuple[str, ...]) -> None:
@@ -639,6 +660,8 @@ def qwen3(c: Config) -> SpecSource:
     _activation(c, "hidden_act", ("silu",))
     _no_window(c)
     _no_attention_bias(c)
+    _ignored_key(c, "qkv_bias", False, "no biases on q, k and v")
+    _ignored_key(c, "use_qk_norm", True, "q and k norms")
     source = _decoder(c)
     source.features = [_rope(c), f'F.qk_norm(eps={c["rms_norm_eps"]!r})']
     return source
@@ -660,6 +683,7 @@ def qwen3_moe(c: Config) -> SpecSource:
     """Qwen3's attention (q/k norms, no biases) with Qwen2-MoE's routing and no shared expert."""
     source = qwen3(c)
     source.mlp = _expert_mlp(c)
+    _ignored_key(c, "shared_expert_intermediate_size", 0, "no shared expert")
     # The published configs say num_experts; transformers 5 saves the same number as num_local_experts.
     experts = c["num_local_experts" if "num_local_experts" in c.values else "num_experts"]
     source.features.append(
@@ -1012,7 +1036,11 @@ def _fp8_storage(c: Config) -> str:
     c.read.add("quantization_config")
     if storage is None:
         return ""
-    method = storage.get("quant_method") if isinstance(storage, dict) else storage
+    if not isinstance(storage, dict):
+        raise HFImportError(
+            f"{c.path}: quantization_config={_shown(storage)} is not an object of storage settings, or null"
+        )
+    method = storage.get("quant_method")
     if method != "fp8":
         raise HFImportError(
             f"{c.path}: quantization_config.quant_method={_shown(method)} is not a storage convert-hf reads (fp8)"
@@ -1073,22 +1101,29 @@ def _deepseek_mla(c: Config, interleaved: bool) -> SpecSource:
     )
     c.expect("qk_head_dim", (None, nope + rope), f"is not qk_nope_head_dim + qk_rope_head_dim={nope + rope}")
     source = _decoder(c)
-    scale = (nope + rope) ** -0.5
-    parameters = dict(c.values.get("rope_parameters") or c.values.get("rope_scaling") or {})
-    kind = parameters.get("rope_type", parameters.get("type", "default"))
-    if kind != "default" and parameters.get("mscale_all_dim"):
-        mscale = _yarn_mscale(parameters["factor"], parameters["mscale_all_dim"])
-        scale = scale * mscale * mscale
+    rope_feature = _rope(c)  # first: it checks the RoPE parameters that the softmax scale reads
+    mscale = _mla_mscale(c)
+    scale = (nope + rope) ** -0.5 * mscale * mscale
     source.attention = (
         f"Attention(num_heads={heads}, num_kv_heads={heads}, head_dim={nope + rope}, scale={scale!r})"
     )
     source.features = [
-        _rope(c)[:-1] + f", rotary_dim={rope}, interleaved={interleaved})",
+        rope_feature[:-1] + f", rotary_dim={rope}, interleaved={interleaved})",
         # transformers' DeepSeek norms the latents with DeepseekV2RMSNorm's default eps, not rms_norm_eps.
         f'F.mla(q_lora_rank={c["q_lora_rank"]}, kv_lora_rank={c["kv_lora_rank"]}, qk_nope_head_dim={nope}, '
         f"qk_rope_head_dim={rope}, v_head_dim={v}, eps=1e-06)",
     ]
     return source
+
+
+def _mla_mscale(c: Config) -> float:
+    """YaRN's mscale(factor, mscale_all_dim) where the RoPE states mscale_all_dim, else 1; `_rope` has checked
+    the parameters (only YaRN reads mscale_all_dim)."""
+    key = "rope_parameters" if "rope_parameters" in c.values else "rope_scaling"
+    parameters = c.values.get(key) or {}
+    if not parameters.get("mscale_all_dim"):
+        return 1.0
+    return _yarn_mscale(parameters["factor"], parameters["mscale_all_dim"])
 
 
 def _deepseek_groups(c: Config, score: str) -> str:

@@ -69,7 +69,17 @@ class HFCheckpoint(Mapping):
             files = [SINGLE]
         else:
             raise CheckpointError(f"{self.directory}: holds neither {INDEX} nor {SINGLE}")
-        self.entries = {name: (file, entry) for file in files for name, entry in self._header(file).items()}
+        self.entries: dict[str, tuple[str, dict]] = {}
+        for file in files:
+            for name, entry in self._header(file).items():
+                # Which copy of a tensor found twice is the model's? The index names one, a loader may take
+                # either: axgen does not pick.
+                if name in self.entries:
+                    raise CheckpointError(
+                        f"{self.directory}: tensor {name!r} is in both {self.entries[name][0]} and {file}; a "
+                        "checkpoint holds each tensor once: remove the stale copy"
+                    )
+                self.entries[name] = (file, entry)
 
     def _index(self) -> dict[str, str]:
         path = self.directory / INDEX

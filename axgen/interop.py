@@ -17,6 +17,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from axgen.ir import Graph, Node, Param, from_spec
@@ -106,7 +107,7 @@ def iter_hf_tensors(params: dict, spec: Model, dtype=None) -> Iterator[tuple[str
     parts: dict[str, dict[int, np.ndarray]] = {}
     for (_, param, layers), value in zip(layout, values):
         for row, name in enumerate(hf_names(param, layers)):
-            tensor = _to_hf(np.asarray(value if layers is None else value[row]), param, dtype)
+            tensor = _to_hf(name, np.asarray(value if layers is None else value[row]), param, dtype)
             if param.hf.chunk is None and param.hf.interleave is None:
                 yield name, tensor
                 continue
@@ -136,11 +137,30 @@ def _param_value(params: dict, block: str | None, param: Param, layers: list[int
     return value
 
 
-def _to_hf(tensor: np.ndarray, param: Param, dtype) -> np.ndarray:
+def _to_hf(name: str, tensor: np.ndarray, param: Param, dtype) -> np.ndarray:
     tensor = tensor.reshape(_hf_view(param))
     if param.hf.transpose:
         tensor = np.swapaxes(tensor, -1, -2)
-    return np.ascontiguousarray(tensor, dtype=dtype)
+    # numpy's overflow warning would be a second line on stderr: the check below names the tensor instead.
+    with np.errstate(over="ignore"):
+        converted = np.ascontiguousarray(tensor, dtype=dtype)
+    if dtype is not None and not np.isfinite(converted).all():
+        _refuse_overflow(name, tensor, converted)
+    return converted
+
+
+def _refuse_overflow(name: str, tensor: np.ndarray, converted: np.ndarray) -> None:
+    """A weight beyond the range of a narrower dtype (float16's 65504) would be written as inf, a model that
+    computes NaN."""
+    overflowed = np.isfinite(tensor) & ~np.isfinite(converted)
+    if overflowed.any():
+        largest = float(np.abs(tensor[overflowed].astype(np.float64)).max())
+        limit = float(ml_dtypes.finfo(converted.dtype).max)
+        wider = "bfloat16 or float32" if converted.dtype == np.float16 else "float32"
+        raise CheckpointError(
+            f"tensor {name}: its largest absolute value, {largest:.6g}, is beyond {converted.dtype}'s range "
+            f"(at most {limit:.6g}): export with --dtype {wider}"
+        )
 
 
 def _hf_view(param: Param) -> tuple[int, ...]:

@@ -134,7 +134,7 @@ BAD = [
     ),
     (
         {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8, "mscale": -1},
-        "rope_parameters.mscale=-1 is not a finite number >= 0, or null",
+        "rope_parameters.mscale=-1 is not a number from 0 to 10, or null",
     ),
     (
         {

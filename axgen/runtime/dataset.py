@@ -56,7 +56,66 @@ def read_manifest(directory) -> dict:
     found = manifest.get("format") if isinstance(manifest, dict) else None
     if found not in (FORMAT, MASKED_FORMAT):
         raise DatasetError(f'{path}: format {json.dumps(found)}, expected "{FORMAT}" or "{MASKED_FORMAT}"')
+    _check_fields(path, manifest)
     return manifest
+
+
+def _count(value) -> bool:
+    return type(value) is int and value >= 0  # JSON's true is no count
+
+
+# What a manifest's field may hold: a check, and its words for the error.
+_OBJECT = (lambda v: isinstance(v, dict), "an object")
+_LIST = (lambda v: isinstance(v, list), "a list")
+_COUNT = (_count, "an integer >= 0")
+_TOKEN_ID = (lambda v: v is None or _count(v), "a token id or null")
+_TOKENIZER_FIELDS = {
+    "vocab_size": (lambda v: _count(v) and v > 0, "an integer > 0"),
+    "bos_id": _TOKEN_ID,
+    "eos_id": _TOKEN_ID,
+    "sha256": (lambda v: v is None or isinstance(v, str), "a string or null"),
+}
+_SHARD_FIELDS = {
+    "tokens": (lambda v: isinstance(v, str), "a file name"),
+    "docs": (lambda v: isinstance(v, str), "a file name"),
+    "num_tokens": _COUNT,
+    "num_documents": _COUNT,
+}
+
+
+def _check_fields(path: str, manifest: dict) -> None:
+    """Every field a program reads from a manifest, of the kind it reads: a manifest edited by hand or written
+    by another tool is refused here, naming the field, not met as a KeyError or TypeError later."""
+    tokenizer = _field(path, manifest, "tokenizer", _OBJECT)
+    for key, kind in _TOKENIZER_FIELDS.items():
+        _field(path, tokenizer, key, kind, "tokenizer.")
+    _field(path, manifest, "max_token_id", _COUNT)
+    _field(path, manifest, "token_dtype", (lambda v: v in ("uint16", "uint32"), '"uint16" or "uint32"'))
+    splits = _field(path, manifest, "splits", _OBJECT)
+    for split in ("train", "eval"):
+        entry = _field(path, splits, split, _OBJECT, "splits.")
+        for index, shard in enumerate(_field(path, entry, "shards", _LIST, f"splits.{split}.")):
+            within = f"splits.{split}.shards[{index}]"
+            if not isinstance(shard, dict):
+                raise DatasetError(f"{path}: {within} is {_shown(shard)}, not an object")
+            for key, kind in _SHARD_FIELDS.items():
+                _field(path, shard, key, kind, f"{within}.")
+
+
+def _field(path: str, parent: dict, key: str, kind: tuple, within: str = ""):
+    """parent[key], which must be of `kind`; `within` names the parent in the error (`tokenizer.`)."""
+    if key not in parent:
+        raise DatasetError(f"{path}: has no {within}{key}; not a dataset `axgen data` wrote (write it again)")
+    valid, expected = kind
+    if not valid(parent[key]):
+        raise DatasetError(f"{path}: {within}{key} is {_shown(parent[key])}, not {expected}")
+    return parent[key]
+
+
+def _shown(value) -> str:
+    """A value as an error shows it: JSON, on one line and short."""
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def check_vocabulary(directory, vocab_size: int, spec: str) -> None:

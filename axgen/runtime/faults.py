@@ -6,6 +6,7 @@ import fcntl
 import os
 import signal
 import socket
+import tempfile
 
 import jax
 
@@ -102,6 +103,14 @@ def make_run_dir(run_dir) -> list[str]:
         os.makedirs(run_dir, exist_ok=True)
     except OSError as err:  # what no check can tell beforehand: root may write anywhere, but not under /proc
         raise RunDirError(f"--run-dir {run_dir}: cannot create {err.filename}: {err.strerror}") from None
+    if not created:
+        # A folder this run did not make may refuse files (another user's, a read-only mount, /proc even to
+        # root, where os.access says yes): a file made and dropped at once finds out before jax starts.
+        try:
+            with tempfile.TemporaryFile(dir=run_dir):
+                pass
+        except OSError as err:
+            raise RunDirError(f"--run-dir {run_dir}: cannot write a file into it ({err.strerror})") from None
     return created
 
 

@@ -328,4 +328,29 @@ def parse_args(program: Program, argv, description=None):
         program.accumulation_steps(args.batch)
     except BatchSplitError as err:
         parser.error(f"--batch {args.batch}: {err}")
+    if args.eval_data and not args.eval_every:
+        parser.error(
+            f"--eval-data {args.eval_data}: evaluates only every --eval-every N steps: add --eval-every"
+        )
+    check_processes(parser, args)
     return args
+
+
+def check_processes(parser, args) -> None:
+    """The job's processes as the flags (or the JAX_* variables) give them, refused here when jax would refuse
+    them: its error comes as a traceback, once the run dir is made."""
+    count, index = args.num_processes, args.process_id
+    if count is None:
+        return  # one process, or as many as jax detects in the cluster (TPU pod, SLURM)
+    if index is not None and index >= count:
+        parser.error(f"--process-id {index}: must be below --num-processes {count}")
+    if count > 1 and args.coordinator is None:
+        parser.error(
+            f"--num-processes {count}: add --coordinator HOST:PORT (or JAX_COORDINATOR_ADDRESS), where"
+            " process 0 listens"
+        )
+    if count > 1 and index is None:
+        parser.error(
+            f"--num-processes {count}: add --process-id (or JAX_PROCESS_ID), this process's index from 0 to"
+            f" {count - 1}"
+        )
