@@ -6,35 +6,20 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from types import SimpleNamespace
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from axgen.cli import main as axgen
-from axgen.codegen.emit import _environment
 from axgen.hf_export import hf_config
 from axgen.interop import CheckpointError
-from axgen.spec import SpecError, features as F
+from axgen.spec import SpecError
 from axgen.loader import load_spec
+from axgen.runtime.rope import rope
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf_deepseek_v2_rope.npz"
 ROTARY = 8
-
-
-def rope_helper(scaling):
-    """The rope helper as the printer writes it for nodes that rotate the last ROTARY channels interleaved,
-    executed."""
-    node = SimpleNamespace(
-        op="rope", attrs=SimpleNamespace(theta=10000.0, scaling=scaling, rotary_dim=ROTARY, interleaved=True)
-    )
-    template = _environment().get_template("ops/rope.j2").module
-    source = "import jax\nimport jax.numpy as jnp\n" + str(template.imports([node]))
-    source += str(template.helpers([node], None))
-    namespace: dict = {}
-    exec(compile(source, "<rope>", "exec"), namespace)
-    return namespace
 
 
 @pytest.mark.parametrize("case", ["default", "yarn"])
@@ -44,41 +29,20 @@ def test_sliced_interleaved_rope_equals_transformers_deepseek_v2(case):
     scaling = None
     if config["rope_type"] == "yarn":
         mscale = lambda m: 0.1 * m * math.log(config["factor"]) + 1.0  # transformers' get_mscale, factor > 1
-        scaling = F.rope_yarn(
-            factor=config["factor"],
-            beta_fast=config["beta_fast"],
-            beta_slow=config["beta_slow"],
-            original_max_position=config["original_max_position_embeddings"],
-            attention_factor=mscale(config["mscale"]) / mscale(config["mscale_all_dim"]),
-            truncate=True,
-        )
-    namespace = rope_helper(scaling)
-    if scaling is not None:
-        namespace["ROPE_SCALING"] = {
-            name: getattr(scaling, name)
-            for name in (
-                "factor",
-                "beta_fast",
-                "beta_slow",
-                "original_max_position",
-                "attention_factor",
-                "truncate",
-            )
+        scaling = {
+            "rule": "yarn",
+            "factor": config["factor"],
+            "beta_fast": config["beta_fast"],
+            "beta_slow": config["beta_slow"],
+            "original_max_position": config["original_max_position_embeddings"],
+            "attention_factor": mscale(config["mscale"]) / mscale(config["mscale_all_dim"]),
+            "truncate": True,
         }
-    kwargs = {"scaling": namespace["ROPE_SCALING"]} if scaling is not None else {}
-    got = namespace["rope"](
-        jnp.asarray(fixture["x"]),
-        jnp.asarray(fixture["positions"]),
-        10000.0,
-        rotary_dim=ROTARY,
-        interleaved=True,
-        **kwargs,
-    )
+    x, positions = jnp.asarray(fixture["x"]), jnp.asarray(fixture["positions"])
+    got = rope(x, positions, theta=10000.0, scaling=scaling, rotary_dim=ROTARY, interleaved=True)
     np.testing.assert_allclose(got, fixture[f"{case}/out"], atol=1e-5)
     # the rotate-half convention on the same channels is a different function: the layout is not a no-op
-    halves = namespace["rope"](
-        jnp.asarray(fixture["x"]), jnp.asarray(fixture["positions"]), 10000.0, rotary_dim=ROTARY, **kwargs
-    )
+    halves = rope(x, positions, theta=10000.0, scaling=scaling, rotary_dim=ROTARY, interleaved=False)
     assert np.abs(np.asarray(halves) - fixture[f"{case}/out"]).max() > 1e-2
 
 

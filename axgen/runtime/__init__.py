@@ -1,7 +1,8 @@
 """What every emitted program runs on, tested once: the dataset reader, checkpoints with checksums, fault
 handling, metrics, flags and the main loop (`run.main`), and the few helpers programs call (params, sharding,
-gradients, attention by each kernel, the cross-entropy, the routed experts: routing, the dropless and capacity
-paths, their grouped matmuls). A program holds what its spec and target decide and hands it to `main`.
+gradients, rotary embedding, attention by each kernel, the cross-entropy, the routed experts: routing, the
+dropless and capacity paths, their grouped matmuls). A program holds what its spec and target decide and hands
+it to `main`.
 
 This package imports jax, optax, orbax, numpy and tensorboardX, and nothing of the compiler: a training host
 needs axgen installed (`pip install --no-deps axgen` beside its own jax works) but none of the compiler's
@@ -13,6 +14,7 @@ from axgen.runtime.losses import cross_entropy, lm_head_cross_entropy, trained_t
 from axgen.runtime.moe import Routing, expert_mlp, grouped_matmul, moe_dropless, moe_with_capacity, route
 from axgen.runtime.params import ParamSpec, init_params
 from axgen.runtime.quantized_experts import fp8_ragged_dot, int8_ragged_dot
+from axgen.runtime.rope import rope, rope_frequencies
 from axgen.runtime.run import main
 from axgen.runtime.sharding import (
     constrain,
@@ -43,6 +45,8 @@ __all__ = [
     "moe_dropless",
     "moe_with_capacity",
     "param_shardings",
+    "rope",
+    "rope_frequencies",
     "route",
     "shards",
     "soft_cap",

@@ -10,13 +10,11 @@ Run `python tpu_v5p_1024.py --data DATASET --run-dir DIR` to train on an `axgen 
 """
 
 import functools
-import math
 import os
 import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
@@ -188,6 +186,7 @@ def rms_norm(x, scale, eps):
 # those that turn more than beta_fast times are kept, a linear ramp blends the pairs between, and cos and sin are
 # scaled by attention_factor.
 ROPE_SCALING = {
+    "rule": "yarn",
     "factor": 40.0,
     "beta_fast": 32.0,
     "beta_slow": 1.0,
@@ -195,54 +194,6 @@ ROPE_SCALING = {
     "attention_factor": 1.0,
     "truncate": True,
 }
-
-
-def rope_frequencies(head_dim, theta, scaling=None):
-    """Inverse frequency of each channel pair, a float32 numpy constant."""
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
-    if scaling is None:
-        return inv_freq
-
-    def pair(rotations):
-        """The (fractional) channel pair that turns `rotations` times over the original context."""
-        return (
-            head_dim
-            * math.log(scaling["original_max_position"] / (rotations * 2 * math.pi))
-            / (2 * math.log(theta))
-        )
-
-    low, high = pair(scaling["beta_fast"]), pair(scaling["beta_slow"])
-    if scaling["truncate"]:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_dim - 1)
-    if low == high:
-        high += 0.001  # as transformers does, against a zero-width ramp
-    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
-    kept = 1 - ramp
-    slowed = 1.0 / (scaling["factor"] * theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
-    return (slowed * (1 - kept) + inv_freq * kept).astype(np.float32)
-
-
-def rope(x, positions, theta, scaling=None, rotary_dim=None, interleaved=False):
-    """Rotary embedding of x [batch, seq, heads, head_dim]: channel halves rotate by position * frequency.    With `rotary_dim`, only the last rotary_dim channels rotate (over frequencies of that width); the others
-    carry no position. With `interleaved`, the pairs are adjacent channels (2i, 2i + 1) instead."""
-    if rotary_dim is not None and rotary_dim < x.shape[-1]:
-        kept, rotated = jnp.split(x, [x.shape[-1] - rotary_dim], axis=-1)
-        return jnp.concatenate(
-            [kept, rope(rotated, positions, theta, scaling, interleaved=interleaved)], axis=-1
-        )
-    inv_freq = rope_frequencies(x.shape[-1], theta, scaling)
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, seq, head_dim / 2]
-    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]  # broadcast over heads
-    if scaling is not None:
-        cos, sin = cos * scaling["attention_factor"], sin * scaling["attention_factor"]
-    if interleaved:
-        pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], -1, 2)
-        x1, x2 = pairs[..., 0], pairs[..., 1]
-        rotated = jnp.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-        return rotated.reshape(x.shape).astype(x.dtype)
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 # remat · specs/deepseek_v3.py: mesh rule '(tpu-v5p|gpu-h100)-\d+' · policy full: keep each layer's input only; recompute the whole layer in backward
@@ -275,10 +226,10 @@ def decoder_layer(x, p, positions, segment_ids):
     value = kv_b[..., 128:256]  # [batch, seq, kv_heads=128, head_dim=128]
     key = concat_shared(k_nope, k_pe)  # [batch, seq, kv_heads=128, head_dim=192]
     # rope · passes/rope.py · specs/deepseek_v3.py: features.rope
-    query_rope = rope(
+    query_rope = runtime.rope(
         query, positions, theta=10000.0, scaling=ROPE_SCALING, rotary_dim=64, interleaved=True
     )  # [batch, seq, heads=128, head_dim=192]
-    key_rope = rope(
+    key_rope = runtime.rope(
         key, positions, theta=10000.0, scaling=ROPE_SCALING, rotary_dim=64, interleaved=True
     )  # [batch, seq, kv_heads=128, head_dim=192]
     # attention · kernel splash, documents by segment ids (backends/tpu.py) · specs/deepseek_v3.py: decoder.attention · changed by passes/mla.py, passes/rope.py
@@ -363,10 +314,10 @@ def dense_decoder_layer(x, p, positions, segment_ids):
     value = kv_b[..., 128:256]  # [batch, seq, kv_heads=128, head_dim=128]
     key = concat_shared(k_nope, k_pe)  # [batch, seq, kv_heads=128, head_dim=192]
     # rope · passes/rope.py · specs/deepseek_v3.py: features.rope
-    query_rope = rope(
+    query_rope = runtime.rope(
         query, positions, theta=10000.0, scaling=ROPE_SCALING, rotary_dim=64, interleaved=True
     )  # [batch, seq, heads=128, head_dim=192]
-    key_rope = rope(
+    key_rope = runtime.rope(
         key, positions, theta=10000.0, scaling=ROPE_SCALING, rotary_dim=64, interleaved=True
     )  # [batch, seq, kv_heads=128, head_dim=192]
     # attention · kernel splash, documents by segment ids (backends/tpu.py) · specs/deepseek_v3.py: decoder.attention · changed by passes/mla.py, passes/rope.py

@@ -15,7 +15,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax.ad_checkpoint import checkpoint_name
 
@@ -177,24 +176,7 @@ def rms_norm(x, scale, eps):
 
 
 # Linear position interpolation: every frequency divided by `factor`, as if the positions were.
-ROPE_SCALING = {"factor": 8.0}
-
-
-def rope_frequencies(head_dim, theta, scaling=None):
-    """Inverse frequency of each channel pair, a float32 numpy constant."""
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
-    if scaling is None:
-        return inv_freq
-    return inv_freq / np.float32(scaling["factor"])
-
-
-def rope(x, positions, theta, scaling=None):
-    """Rotary embedding of x [batch, seq, heads, head_dim]: channel halves rotate by position * frequency."""
-    inv_freq = rope_frequencies(x.shape[-1], theta, scaling)
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, seq, head_dim / 2]
-    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]  # broadcast over heads
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+ROPE_SCALING = {"rule": "linear", "factor": 8.0}
 
 
 # remat · specs/gemma3_27b.py: mesh rule 'gpu-h100-\d+' · policy full: keep each layer's input only; recompute the whole layer in backward
@@ -220,8 +202,12 @@ def decoder_layer(x, p, positions, segment_ids):
     q_rms_norm = rms_norm(q, 1.0 + p["q_norm"], eps=1e-06)  # [batch, seq, heads=32, head_dim=128]
     k_rms_norm = rms_norm(k, 1.0 + p["k_norm"], eps=1e-06)  # [batch, seq, kv_heads=16, head_dim=128]
     # rope · passes/rope.py · specs/gemma3_27b.py: features.rope
-    q_rms_norm_rope = rope(q_rms_norm, positions, theta=10000.0)  # [batch, seq, heads=32, head_dim=128]
-    k_rms_norm_rope = rope(k_rms_norm, positions, theta=10000.0)  # [batch, seq, kv_heads=16, head_dim=128]
+    q_rms_norm_rope = runtime.rope(
+        q_rms_norm, positions, theta=10000.0, scaling=None, rotary_dim=None, interleaved=False
+    )  # [batch, seq, heads=32, head_dim=128]
+    k_rms_norm_rope = runtime.rope(
+        k_rms_norm, positions, theta=10000.0, scaling=None, rotary_dim=None, interleaved=False
+    )  # [batch, seq, kv_heads=16, head_dim=128]
     # attention · kernel cudnn, dense document mask (backends/gpu.py) · specs/gemma3_27b.py: decoder.attention · changed by passes/qk_norm.py, passes/sliding_window.py, passes/rope.py
     attn = runtime.causal_attention(
         q_rms_norm_rope,
@@ -284,11 +270,11 @@ def global_decoder_layer(x, p, positions, segment_ids):
     q_rms_norm = rms_norm(q, 1.0 + p["q_norm"], eps=1e-06)  # [batch, seq, heads=32, head_dim=128]
     k_rms_norm = rms_norm(k, 1.0 + p["k_norm"], eps=1e-06)  # [batch, seq, kv_heads=16, head_dim=128]
     # rope · passes/rope.py · specs/gemma3_27b.py: features.rope
-    q_rms_norm_rope = rope(
-        q_rms_norm, positions, theta=1000000.0, scaling=ROPE_SCALING
+    q_rms_norm_rope = runtime.rope(
+        q_rms_norm, positions, theta=1000000.0, scaling=ROPE_SCALING, rotary_dim=None, interleaved=False
     )  # [batch, seq, heads=32, head_dim=128]
-    k_rms_norm_rope = rope(
-        k_rms_norm, positions, theta=1000000.0, scaling=ROPE_SCALING
+    k_rms_norm_rope = runtime.rope(
+        k_rms_norm, positions, theta=1000000.0, scaling=ROPE_SCALING, rotary_dim=None, interleaved=False
     )  # [batch, seq, kv_heads=16, head_dim=128]
     # attention · kernel cudnn, dense document mask (backends/gpu.py) · specs/gemma3_27b.py: decoder.attention · changed by passes/qk_norm.py, passes/rope.py
     attn = runtime.causal_attention(

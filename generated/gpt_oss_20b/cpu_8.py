@@ -9,12 +9,10 @@
 Run `python cpu_8.py --data DATASET --run-dir DIR` to train on an `axgen data` directory; import it to call `forward(params, tokens)`.
 """
 
-import math
 import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from axgen import runtime
@@ -173,6 +171,7 @@ def rms_norm(x, scale, eps):
 # those that turn more than beta_fast times are kept, a linear ramp blends the pairs between, and cos and sin are
 # scaled by attention_factor.
 ROPE_SCALING = {
+    "rule": "yarn",
     "factor": 32.0,
     "beta_fast": 32.0,
     "beta_slow": 1.0,
@@ -180,43 +179,6 @@ ROPE_SCALING = {
     "attention_factor": 1.3465735902799727,
     "truncate": False,
 }
-
-
-def rope_frequencies(head_dim, theta, scaling=None):
-    """Inverse frequency of each channel pair, a float32 numpy constant."""
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
-    if scaling is None:
-        return inv_freq
-
-    def pair(rotations):
-        """The (fractional) channel pair that turns `rotations` times over the original context."""
-        return (
-            head_dim
-            * math.log(scaling["original_max_position"] / (rotations * 2 * math.pi))
-            / (2 * math.log(theta))
-        )
-
-    low, high = pair(scaling["beta_fast"]), pair(scaling["beta_slow"])
-    if scaling["truncate"]:
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_dim - 1)
-    if low == high:
-        high += 0.001  # as transformers does, against a zero-width ramp
-    ramp = np.clip((np.arange(head_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
-    kept = 1 - ramp
-    slowed = 1.0 / (scaling["factor"] * theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
-    return (slowed * (1 - kept) + inv_freq * kept).astype(np.float32)
-
-
-def rope(x, positions, theta, scaling=None):
-    """Rotary embedding of x [batch, seq, heads, head_dim]: channel halves rotate by position * frequency."""
-    inv_freq = rope_frequencies(x.shape[-1], theta, scaling)
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, seq, head_dim / 2]
-    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]  # broadcast over heads
-    if scaling is not None:
-        cos, sin = cos * scaling["attention_factor"], sin * scaling["attention_factor"]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
 def decoder_layer(x, p, positions, segment_ids):
@@ -232,11 +194,11 @@ def decoder_layer(x, p, positions, segment_ids):
     k_bias = k + p["bk"]  # [batch, seq, kv_heads=8, head_dim=64]
     v_bias = v + p["bv"]  # [batch, seq, kv_heads=8, head_dim=64]
     # rope · passes/rope.py · specs/gpt_oss_20b.py: features.rope
-    q_bias_rope = rope(
-        q_bias, positions, theta=150000.0, scaling=ROPE_SCALING
+    q_bias_rope = runtime.rope(
+        q_bias, positions, theta=150000.0, scaling=ROPE_SCALING, rotary_dim=None, interleaved=False
     )  # [batch, seq, heads=64, head_dim=64]
-    k_bias_rope = rope(
-        k_bias, positions, theta=150000.0, scaling=ROPE_SCALING
+    k_bias_rope = runtime.rope(
+        k_bias, positions, theta=150000.0, scaling=ROPE_SCALING, rotary_dim=None, interleaved=False
     )  # [batch, seq, kv_heads=8, head_dim=64]
     # attention · kernel xla_sinks, dense document mask (backends/cpu.py) · specs/gpt_oss_20b.py: decoder.attention · changed by passes/attention_sinks.py, passes/qkv_bias.py, passes/sliding_window.py, passes/rope.py
     attn = runtime.causal_attention(
@@ -288,11 +250,11 @@ def global_decoder_layer(x, p, positions, segment_ids):
     k_bias = k + p["bk"]  # [batch, seq, kv_heads=8, head_dim=64]
     v_bias = v + p["bv"]  # [batch, seq, kv_heads=8, head_dim=64]
     # rope · passes/rope.py · specs/gpt_oss_20b.py: features.rope
-    q_bias_rope = rope(
-        q_bias, positions, theta=150000.0, scaling=ROPE_SCALING
+    q_bias_rope = runtime.rope(
+        q_bias, positions, theta=150000.0, scaling=ROPE_SCALING, rotary_dim=None, interleaved=False
     )  # [batch, seq, heads=64, head_dim=64]
-    k_bias_rope = rope(
-        k_bias, positions, theta=150000.0, scaling=ROPE_SCALING
+    k_bias_rope = runtime.rope(
+        k_bias, positions, theta=150000.0, scaling=ROPE_SCALING, rotary_dim=None, interleaved=False
     )  # [batch, seq, kv_heads=8, head_dim=64]
     # attention · kernel xla_sinks, dense document mask (backends/cpu.py) · specs/gpt_oss_20b.py: decoder.attention · changed by passes/attention_sinks.py, passes/qkv_bias.py, passes/rope.py
     attn = runtime.causal_attention(

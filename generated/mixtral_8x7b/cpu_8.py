@@ -13,7 +13,6 @@ import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from axgen import runtime
@@ -140,32 +139,6 @@ def rms_norm(x, scale, eps):
     return scale * normed.astype(x.dtype)
 
 
-def rope_frequencies(head_dim, theta, scaling=None):
-    """Inverse frequency of each channel pair, a float32 numpy constant."""
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
-    if scaling is None:
-        return inv_freq
-    wavelength = 2 * np.pi / inv_freq
-    low_freq_wavelength = scaling["original_max_position"] / scaling["low_freq_factor"]
-    high_freq_wavelength = scaling["original_max_position"] / scaling["high_freq_factor"]
-    slowed = np.where(wavelength > low_freq_wavelength, inv_freq / scaling["factor"], inv_freq)
-    smooth = (scaling["original_max_position"] / wavelength - scaling["low_freq_factor"]) / (
-        scaling["high_freq_factor"] - scaling["low_freq_factor"]
-    )
-    blended = (1 - smooth) * slowed / scaling["factor"] + smooth * slowed
-    in_band = (wavelength >= high_freq_wavelength) & (wavelength <= low_freq_wavelength)
-    return np.where(in_band, blended, slowed).astype(np.float32)
-
-
-def rope(x, positions, theta, scaling=None):
-    """Rotary embedding of x [batch, seq, heads, head_dim]: channel halves rotate by position * frequency."""
-    inv_freq = rope_frequencies(x.shape[-1], theta, scaling)
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [batch, seq, head_dim / 2]
-    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]  # broadcast over heads
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
-
-
 def decoder_layer(x, p, positions, segment_ids):
     """One of the 32 layers: x [batch, seq, embed] -> (same, auxiliary losses). `p` holds this layer's params; `positions` and `segment_ids` [batch, seq] say where each token is in which document."""
     # norm · specs/llama3_8b.py: decoder.norm
@@ -175,8 +148,12 @@ def decoder_layer(x, p, positions, segment_ids):
     k = jnp.einsum("bse,ekd->bskd", attn_norm, p["wk"])  # [batch, seq, kv_heads=8, head_dim=128]
     v = jnp.einsum("bse,ekd->bskd", attn_norm, p["wv"])  # [batch, seq, kv_heads=8, head_dim=128]
     # rope · passes/rope.py · specs/mixtral_8x7b.py: features.rope
-    q_rope = rope(q, positions, theta=1000000.0)  # [batch, seq, heads=32, head_dim=128]
-    k_rope = rope(k, positions, theta=1000000.0)  # [batch, seq, kv_heads=8, head_dim=128]
+    q_rope = runtime.rope(
+        q, positions, theta=1000000.0, scaling=None, rotary_dim=None, interleaved=False
+    )  # [batch, seq, heads=32, head_dim=128]
+    k_rope = runtime.rope(
+        k, positions, theta=1000000.0, scaling=None, rotary_dim=None, interleaved=False
+    )  # [batch, seq, kv_heads=8, head_dim=128]
     # attention · kernel xla, dense document mask (backends/cpu.py) · specs/llama3_8b.py: decoder.attention · changed by passes/rope.py
     attn = runtime.causal_attention(
         q_rope, k_rope, v, segment_ids, implementation=ATTENTION_IMPL
