@@ -4,7 +4,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO := build/demo
 
-.PHONY: demo test generate aot-report fixtures check-export clean
+.PHONY: demo test test-slow generate aot-report fixtures check-export clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || { py=$$(scripts/find-python) && echo "creating $(VENV) with $$py" && "$$py" -m venv $(VENV); }
@@ -27,10 +27,16 @@ demo: $(STAMP)
 		--log-every 20 --eval-every 100 --eval-batches 4
 	$(BIN)/axgen report $(DEMO)/run
 
+# The quick tier (README: Tests): formatting, generated/ against the compiler, and every test but the slow tier.
 test: $(STAMP)
 	$(BIN)/black --check --quiet .
 	$(BIN)/axgen build --all --check
 	$(BIN)/python -m pytest
+
+# The slow tier: deviceless compiles of MoE and multi-pass programs for the chips, jobs of several processes, the
+# installed wheel. CI runs it after `make test`.
+test-slow: $(STAMP)
+	$(BIN)/python -m pytest -m slow
 
 generate: $(STAMP)
 	$(BIN)/axgen build --all

@@ -126,6 +126,7 @@ def run_in_process(program: Path, *argv) -> subprocess.CompletedProcess:
     module = _LOADED.get(program) or _LOADED.setdefault(program, load_program(program))
     sys.modules[module.__name__] = module  # main() finds its module there; a later load_program replaces it
     out, err = io.StringIO(), io.StringIO()
+    environment = dict(os.environ)  # the program adds its target's flags there, for its own process
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = module.main([str(arg) for arg in argv])
@@ -136,6 +137,9 @@ def run_in_process(program: Path, *argv) -> subprocess.CompletedProcess:
         except Exception:
             traceback.print_exc()
             code = 1
+        finally:
+            os.environ.clear()
+            os.environ.update(environment)
     return subprocess.CompletedProcess(
         [str(program), *map(str, argv)], code or 0, out.getvalue(), err.getvalue()
     )

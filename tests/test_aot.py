@@ -85,6 +85,8 @@ def test_gpu_program_gives_its_allocator_the_share_aot_checks_unless_the_user_sa
     assert result.stdout.split() == ["0.95", allocator]
 
 
+# slow tier: a deviceless compile of an MoE or multi-pass program for the chips (20-30 s on 2 cores)
+@pytest.mark.slow
 def test_h100_moe_program_compiles_with_the_mosaic_gpu_grouped_matmul_forward_and_backward(capsys):
     code, [report], _ = aot(capsys, str(ROOT / "specs/moe_tiny.py"), "--target", "gpu-h100-8")
     assert code == 0 and report["fits"]
@@ -99,6 +101,8 @@ def test_multi_slice_program_compiles_on_a_hybrid_mesh(capsys):
     assert report["mesh"] == {"data": 2, "fsdp": 4, "expert": 1, "model": 1}
 
 
+# slow tier: a deviceless compile of an MoE or multi-pass program for the chips (20-30 s on 2 cores)
+@pytest.mark.slow
 @pytest.mark.parametrize("passes", [2, 4])
 def test_gradients_cross_between_slices_once_a_step_however_many_passes_it_takes(tmp_path, capsys, passes):
     """Each slice sums its passes' gradients apart; they meet over the data-centre network once, after the last
@@ -116,6 +120,8 @@ def test_gradients_cross_between_slices_once_a_step_however_many_passes_it_takes
     assert report["cross_slice"] == {"ALL_REDUCE": 9}
 
 
+# slow tier: a deviceless compile of an MoE or multi-pass program for the chips (20-30 s on 2 cores)
+@pytest.mark.slow
 def test_h100_data_parallel_groups_sum_their_passes_apart_with_cudnn_attention(tmp_path, capsys):
     """data=2 x fsdp=4 over two passes: the step runs its passes inside a shard_map manual over `data`, where cuDNN's
     custom partitioning failed ("'GSPMDSharding' object has no attribute 'spec'": llama3-8b on gpu-h100-64, data=8
@@ -138,6 +144,8 @@ def test_trainium_program_compiles_on_fake_cpu_devices_with_its_mesh(capsys):
     assert report["grad_accum_steps"] == 2 and report["microbatch"] == 2
 
 
+# slow tier: a deviceless compile of an MoE or multi-pass program for the chips (20-30 s on 2 cores)
+@pytest.mark.slow
 def test_expert_parallel_moe_compiles_for_tpu_with_ragged_matmul_kernels(tmp_path, capsys):
     spec = tmp_path / "specs" / "moe_ep.py"
     spec.parent.mkdir()
@@ -273,6 +281,8 @@ def test_the_report_names_the_wraparound_links(tmp_path, capsys):
     assert code == 0 and report["compiled_for"].endswith("(libtpu topology v5p:4x4x4, wraparound in x y z)")
 
 
+# slow tier: a deviceless compile of an MoE or multi-pass program for the chips (20-30 s on 2 cores)
+@pytest.mark.slow
 def test_all_to_all_experts_compile_for_tpu_with_ragged_all_to_all(tmp_path, capsys):
     """moe_dispatch='all_to_all' on TPU: each token copy goes to its expert's device by ragged-all-to-all and
     comes back by another, in the forward and again in the backward."""
@@ -289,6 +299,8 @@ def test_all_to_all_experts_compile_for_tpu_with_ragged_all_to_all(tmp_path, cap
     assert report["collective_bytes"]["ragged-all-to-all"] > 0
 
 
+# slow tier: a deviceless compile of an MoE or multi-pass program for the chips (20-30 s on 2 cores)
+@pytest.mark.slow
 @pytest.mark.parametrize("dispatch", ["all_gather", "all_to_all"])
 def test_expert_parallel_moe_compiles_for_h100_with_the_mosaic_gpu_kernel_on_either_dispatch(
     tmp_path, capsys, dispatch

@@ -2,7 +2,6 @@
 for the machine, and several processes (one of them killed)."""
 
 import json
-import os
 import shutil
 import signal
 import socket
@@ -108,6 +107,8 @@ def test_a_damaged_checkpoint_is_named_set_aside_and_the_run_resumes_from_the_on
     assert losses(run_dir) == up_to(reference, 6), "steps 3 to 6 ran again exactly as without the damage"
 
 
+# slow tier: a program built, killed mid-save and resumed, two processes and two compiles
+@pytest.mark.slow
 def test_kill_9_mid_save_resumes_from_the_last_complete_checkpoint_losing_nothing(
     two_checkpoints, corpus, tmp_path
 ):
@@ -233,6 +234,8 @@ def finish(processes):
     return outputs
 
 
+# slow tier: four processes in two jobs of two, each compiling (40 s on 2 cores)
+@pytest.mark.slow
 def test_two_processes_of_four_devices_stop_together_save_and_resume_as_one_of_eight(
     two_checkpoints, corpus, tmp_path
 ):
@@ -252,6 +255,8 @@ def test_two_processes_of_four_devices_stop_together_save_and_resume_as_one_of_e
     assert losses(tmp_path) == pytest.approx(up_to(reference, 8), rel=1e-6)
 
 
+# slow tier: two processes and a heartbeat timeout (20 s on 2 cores)
+@pytest.mark.slow
 def test_when_a_process_dies_its_peer_exits_with_an_error_in_bounded_time(corpus, tmp_path):
     survivor, victim = start_processes(tmp_path, corpus, 100000, "--heartbeat-timeout", "5")
     read_until(survivor, "step 2 |")

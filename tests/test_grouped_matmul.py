@@ -143,6 +143,8 @@ def test_kernel_and_its_gradients_equal_ragged_dot_with_empty_groups_and_rows_af
     assert np.abs(kernel[1][0][171:]).max() == 0 and np.abs(kernel[1][1][1]).max() == 0
 
 
+# slow tier: the kernels interpreted on CPU inside a whole program's step (15-20 s on 2 cores)
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "path, kernel, interpreted",
     [

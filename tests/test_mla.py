@@ -5,7 +5,7 @@ DeepSeek-V2 are tests/test_deepseek_v2.py's."""
 import re
 
 import pytest
-from tests.conftest import train
+from tests.conftest import losses_in, train_in_process
 from tests.test_aot import aot
 from tests.test_hf_export import run
 
@@ -93,11 +93,13 @@ def test_an_mla_model_trains_on_8_cpu_devices_with_falling_loss(corpus, tmp_path
     )
     program = tmp_path / "program.py"
     assert run_cli(["build", str(spec), "--target", "cpu-8", "--out", str(program)]) == 0
-    losses = train(program, corpus, tmp_path / "run", 20)
+    losses = losses_in(train_in_process(program, corpus, tmp_path / "run", 20))
     assert sorted(losses) == list(range(1, 21))
     assert losses[20] < losses[1] - 1.0, losses
 
 
+# slow tier: deviceless compiles of the MLA program for each chip (11-26 s each on 2 cores)
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("target", "kernels"),
     [
@@ -113,6 +115,8 @@ def test_an_mla_train_step_compiles_for_each_target_s_attention_kernel(target, k
     assert kernels <= set(report["kernels"]), report["kernels"]
 
 
+# slow tier: a deviceless H100 compile with cuDNN (25 s on 2 cores)
+@pytest.mark.slow
 def test_deepseek_s_head_dims_compile_for_the_h100_with_cudnn(tmp_path, capsys):
     """DeepSeek's q/k heads of 128 + 64 channels with v of 128 (padded to 192): Hopper's cuDNN takes head dims up
     to 256, and the deviceless compile answers jax's check as the H100 would, not as the CPU host it runs on.

@@ -16,7 +16,7 @@ from axgen.interop import hf_to_params, load_program
 from axgen.ir import cost
 from axgen.loader import load_spec
 from axgen.spec import SpecError
-from tests.conftest import ROOT, STEP_LINE, moe_calls, moe_options, train_log
+from tests.conftest import ROOT, STEP_LINE, moe_calls, moe_options, train_in_process
 from axgen.runtime import moe
 from axgen.runtime.program import Program
 
@@ -151,7 +151,9 @@ def test_published_parameter_counts():
 
 
 def test_moe_program_trains_on_eight_devices_and_logs_its_auxiliary_losses(corpus, tmp_path):
-    log = train_log(ROOT / "generated/moe_tiny/cpu_8.py", corpus, tmp_path / "ckpt", 12, "--batch", "8")
+    log = train_in_process(
+        ROOT / "generated/moe_tiny/cpu_8.py", corpus, tmp_path / "ckpt", 12, "--batch", "8"
+    )
     losses = {int(step): float(loss) for step, loss in STEP_LINE.findall(log)}
     assert losses[12] < losses[1] - 1.0, losses
     last = log.splitlines()[-2]

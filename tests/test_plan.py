@@ -36,6 +36,8 @@ spec = llama_tiny.replace(
 '''
 
 
+# slow tier: four deviceless compiles of a 1024-wide program (80 s on 2 cores)
+@pytest.mark.slow
 def test_plan_drops_what_does_not_fit_ranks_the_rest_and_writes_the_winner(tmp_path, capsys):
     spec = tmp_path / "specs" / "wide_tiny.py"
     spec.parent.mkdir()

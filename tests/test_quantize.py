@@ -112,6 +112,8 @@ def train_losses(program, corpus, steps=30, batch=8):
     return np.array(losses)
 
 
+# slow tier: 30 steps of four programs, each compiled (39 s on 2 cores)
+@pytest.mark.slow
 def test_each_dtype_trains_within_ten_percent_of_the_unquantized_run(programs, corpus):
     baseline = train_losses(load_program(ROOT / "generated/llama_tiny/cpu_1.py"), corpus)
     assert baseline[-5:].mean() < baseline[0] - 1.5

@@ -125,6 +125,8 @@ def unquantized_losses(corpus):
     return train_losses(load_program(ROOT / "generated/moe_tiny/cpu_1.py"), corpus)
 
 
+# slow tier: 30 steps of two MoE programs, each compiled (30 s on 2 cores)
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["int8", "fp8"])
 def test_a_tiny_moe_with_quantized_experts_trains_about_as_well_as_without(
     tmp_path, corpus, dtype, unquantized_losses
@@ -234,6 +236,8 @@ def test_the_experts_node_after_the_pass_and_after_each_targets_lowering(tmp_pat
     assert lines == snapshot
 
 
+# slow tier: two processes, one of 8 devices and one of 1, each compiling (34 s on 2 cores)
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["int8", "fp8"])
 def test_quantized_experts_split_over_devices_train_as_on_one_device(tmp_path, corpus, dtype):
     """Each device computes the rows of its own experts (the others sort after its last group) under the MoE's

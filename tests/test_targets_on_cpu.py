@@ -43,7 +43,15 @@ def run_main(program, devices, single_device, corpus, ckpt_dir, steps=3):
     return run_python(runner, str(program), str(devices), *mode, "--", *program_args(corpus, ckpt_dir, steps))
 
 
-@pytest.mark.parametrize("target", TARGETS)
+# Two processes a target (its mesh, one device), each compiling: 15-20 s a target on 2 cores. The CPU and one TPU
+# target are in the quick tier; the slice pair, the H100 and Trainium in the slow one.
+@pytest.mark.parametrize(
+    "target",
+    [
+        target if target in ("tpu-v5e-8", "cpu-8") else pytest.param(target, marks=pytest.mark.slow)
+        for target in TARGETS
+    ],
+)
 def test_every_target_trains_on_its_mesh_as_on_one_device(target, corpus, tmp_path):
     program = ROOT / "generated/llama_tiny" / f"{target.replace('-', '_')}.py"
     mesh = dict(

@@ -206,6 +206,8 @@ def installed_axgen(venv: Path, cwd: Path) -> Path:
     return Path(seen["specs"]).parent
 
 
+# slow tier: a fresh virtualenv with the wheel installed, and programs run in it (20 s each on 2 cores)
+@pytest.mark.slow
 def test_a_user_of_the_installed_wheel_builds_imports_prepares_data_and_trains(venv, tmp_path):
     assert not tmp_path.is_relative_to(ROOT)
     python = venv / "bin" / "python"
@@ -251,6 +253,8 @@ def test_a_user_of_the_installed_wheel_builds_imports_prepares_data_and_trains(v
     assert all(0 < loss < 100 for loss in losses.values()), losses
 
 
+# slow tier: a fresh virtualenv with the wheel installed, and programs run in it (20 s each on 2 cores)
+@pytest.mark.slow
 def test_a_changed_runtime_changes_no_generated_program(venv, tmp_path):
     """The committed programs stay current when the runtime changes: with the installed copy's runtime edited (a
     function's body and a new name), `axgen build --all --check` passes on the checkout's specs. So a change to
