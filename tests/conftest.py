@@ -131,9 +131,10 @@ def run_in_process(program: Path, *argv) -> subprocess.CompletedProcess:
         try:
             code = module.main([str(arg) for arg in argv])
         except SystemExit as exit:  # as the interpreter reports one: a message goes to stderr with exit 1
-            code = exit.code if isinstance(exit.code, int) or exit.code is None else 1
-            if not isinstance(exit.code, int) and exit.code is not None:
-                print(exit.code, file=sys.stderr)
+            code = exit.code
+            if isinstance(code, str):
+                print(code, file=sys.stderr)
+                code = 1
         except Exception:
             traceback.print_exc()
             code = 1
@@ -155,7 +156,8 @@ def train_in_process(program: Path, data: Path, run_dir: Path, steps: int, *extr
 
 @dataclasses.dataclass(frozen=True)
 class SharedRun:
-    """The suite's one short training run of the tiny cpu-8 program, and the same run stopped and resumed.
+    """The suite's one short training run of the tiny cpu-8 program, and the same run stopped and resumed, in
+    folders of `root`.
 
     `uninterrupted`: 20 steps in a process of its own, as a user runs it, evaluated at steps 10 and 20, with a
     compilation cache folder (which a CPU mesh of several devices must leave unmade); its run dir holds the
@@ -163,12 +165,20 @@ class SharedRun:
     and resumed to 20 (in this process); `two_checkpoints`: a copy of it as it was at step 4, with checkpoints
     at steps 2 and 4, for tests that damage one. `logs` are what each leg printed, in order."""
 
-    uninterrupted: Path
-    uninterrupted_log: str
-    resumed: Path
-    logs: tuple[str, ...]
-    two_checkpoints: Path
-    cache: Path
+    root: Path
+
+    uninterrupted = property(lambda self: self.root / "uninterrupted")
+    resumed = property(lambda self: self.root / "resumed")
+    two_checkpoints = property(lambda self: self.root / "two_checkpoints")
+    cache = property(lambda self: self.root / "cache")
+
+    @property
+    def uninterrupted_log(self) -> str:
+        return (self.root / "uninterrupted.log").read_text()
+
+    @property
+    def logs(self) -> tuple[str, ...]:
+        return tuple((self.root / f"resumed_{steps}.log").read_text() for steps in RESUMED_AT)
 
     @property
     def losses(self) -> dict[int, float]:
@@ -177,46 +187,30 @@ class SharedRun:
         return {r["step"]: r["loss"] for r in records if "loss" in r}
 
 
+RESUMED_AT = (2, 4, 20)  # the steps each leg of the resumed run stops at
+
+
 @pytest.fixture(scope="session")
 def shared_run(corpus, tmp_path_factory) -> SharedRun:
     # Under pytest-xdist each worker is a session, in a folder of the whole run's: the first worker to get here
     # makes the run, the others read it.
     base = tmp_path_factory.getbasetemp()
-    root = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "shared_run"
-    with open(root.with_suffix(".lock"), "w") as lock:
+    run = SharedRun((base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / "shared_run")
+    with open(run.root.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        record = root / "run.json"
-        if not record.exists():
-            made = make_shared_run(root, corpus)
-            record.write_text(json.dumps(dataclasses.asdict(made), default=str))
-            return made
-    fields = json.loads(record.read_text())
-    return SharedRun(
-        **{name: Path(value) for name, value in fields.items() if name not in ("uninterrupted_log", "logs")},
-        uninterrupted_log=fields["uninterrupted_log"],
-        logs=tuple(fields["logs"]),
-    )
+        if not (run.root / "done").exists():
+            make_shared_run(run, corpus)
+            (run.root / "done").touch()
+    return run
 
 
-def make_shared_run(root: Path, corpus: Path) -> SharedRun:
-    cache = root / "cache"
-    uninterrupted_log = run_python(
-        str(CPU_8),
-        *program_args(corpus, root / "uninterrupted", 20),
-        *EVAL,
-        "--compilation-cache",
-        str(cache),
+def make_shared_run(run: SharedRun, corpus: Path) -> None:
+    log = run_python(
+        str(CPU_8), *program_args(corpus, run.uninterrupted, 20), *EVAL, "--compilation-cache", str(run.cache)
     )
-    logs = []
-    for steps in (2, 4, 20):
-        logs.append(train_in_process(CPU_8, corpus, root / "resumed", steps, *EVAL))
+    (run.root / "uninterrupted.log").write_text(log)
+    for steps in RESUMED_AT:
+        log = train_in_process(CPU_8, corpus, run.resumed, steps, *EVAL)
+        (run.root / f"resumed_{steps}.log").write_text(log)
         if steps == 4:
-            shutil.copytree(root / "resumed", root / "two_checkpoints")
-    return SharedRun(
-        uninterrupted=root / "uninterrupted",
-        uninterrupted_log=uninterrupted_log,
-        resumed=root / "resumed",
-        logs=tuple(logs),
-        two_checkpoints=root / "two_checkpoints",
-        cache=cache,
-    )
+            shutil.copytree(run.resumed, run.two_checkpoints)
