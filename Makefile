@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(BIN)/axgen corpus $(DEMO)/corpus
 	$(BIN)/axgen tokenizer train $(DEMO)/corpus --vocab-size 512 --out $(DEMO)/tokenizer.json
 	$(BIN)/axgen data $(DEMO)/corpus --tokenizer $(DEMO)/tokenizer.json --eval-fraction 0.05 --out $(DEMO)/dataset
-	$(BIN)/axgen build specs/llama_tiny.py --target cpu-8 --out $(DEMO)/llama_tiny_cpu_8.py
+	$(BIN)/axgen build llama_tiny --target cpu-8 --out $(DEMO)/llama_tiny_cpu_8.py
 	$(BIN)/python $(DEMO)/llama_tiny_cpu_8.py --data $(DEMO)/dataset --run-dir $(DEMO)/run --steps 300 \
 		--log-every 50 --eval-every 100 --eval-batches 4
 	@echo "--- second run: resumes from the newest checkpoint and continues to step 340"

@@ -10,7 +10,7 @@ from pathlib import Path
 from axgen.backends import Plan, lower, plan_for
 from axgen.codegen import emit
 from axgen.ir import Graph, from_spec
-from axgen.loader import load_spec
+from axgen.loader import is_bundled, load_spec, spec_path
 from axgen.passes import run_passes
 from axgen.passes.manager import AppliedPass
 from axgen.spec import MeshRule, Model
@@ -31,8 +31,8 @@ def output_name(target: str) -> str:
     return target.replace("-", "_").replace(".", "_") + ".py"
 
 
-def default_output(spec_path: str | Path, target: str, root: Path = Path("generated")) -> Path:
-    return root / Path(spec_path).stem / output_name(target)
+def default_output(spec_file: str | Path, target: str, root: Path = Path("generated")) -> Path:
+    return root / Path(spec_file).stem / output_name(target)
 
 
 def program_header(spec: Model) -> re.Pattern[str]:
@@ -54,12 +54,16 @@ def lowered(spec: Model, target: str, after: str = "lowering") -> tuple[Graph, P
     return graph, plan, passes
 
 
-def build(spec_path: str | Path, target: str, rule: MeshRule | None = None) -> Built:
+def build(spec_path_or_name: str | Path, target: str, rule: MeshRule | None = None) -> Built:
     """The program of the spec file for `target`; with a `rule`, as if the spec's mesh rules began with it."""
-    spec = load_spec(spec_path)
+    spec = load_spec(spec_path_or_name)
     if rule is not None:
         # dataclasses.replace, not Model.replace: the program still comes from the spec file, not from here.
         spec = replace(spec, mesh_rules=(rule, *spec.mesh_rules))
     graph, plan, passes = lowered(spec, target)
+    # What the program's header tells a reader to run: a bundled spec by its name, which works wherever axgen
+    # is installed; another by its path.
+    path = spec_path(spec_path_or_name)
+    graph.attrs["spec_argument"] = path.stem if is_bundled(path) else spec.origin.file
     source = emit(graph, output_name(target))
     return Built(spec, target, plan, graph, passes, source)

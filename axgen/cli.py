@@ -17,29 +17,28 @@ import typing
 from datetime import date
 from pathlib import Path
 
-from axgen.aot import REPORT_TITLE, AotError, compile_target, markdown
+from axgen.analysis.aot import REPORT_TITLE, AotError, compile_target, markdown
 from axgen.backends import FAMILIES, family_for, plan_for
 from axgen.build import build, default_output, lowered, program_header
-from axgen.corpus import write_corpus
-from axgen.chat import load_chat_template
-from axgen.data import build_chat_dataset, build_dataset, summary
-from axgen.explain import explain, render
+from axgen.data.corpus import write_corpus
+from axgen.data.chat import load_chat_template
+from axgen.data.datasets import build_chat_dataset, build_dataset, summary
+from axgen.analysis.explain import explain, render
 from axgen.files import OutputError, check_output_dir, check_output_file, write_atomically
-from axgen.hf_export import export_dtype, export_hf
-from axgen.hf_import import HFImportError, TrainChoices, import_hf
-from axgen.hf_weights import convert_hf
-from axgen.inputs import DataError, ReadOptions
+from axgen.hf.export import export_dtype, export_hf
+from axgen.hf.import_config import HFImportError, TrainChoices, import_hf
+from axgen.hf.weights import convert_hf
+from axgen.data.inputs import DataError, ReadOptions
 from axgen.interop import CheckpointError
 from axgen.ir import GraphError, cost, from_spec
-from axgen.loader import load_spec
+from axgen.loader import bundled_specs, load_spec, spec_path
 from axgen.passes import PassError, run_passes
-from axgen.placement import uneven
-from axgen.plan import PlanError, search, table, write_rule
-from axgen.report import ReportError, write_report
+from axgen.analysis.placement import uneven
+from axgen.analysis.plan import PlanError, search, table, write_rule
+from axgen.analysis.report import ReportError, write_report
 from axgen.spec import MESH_AXES, Model, SpecError
-from axgen.tokenizer import load_tokenizer, train_tokenizer
+from axgen.data.tokenizer import load_tokenizer, train_tokenizer
 
-SPECS = Path("specs")
 GENERATED = Path("generated")
 
 
@@ -118,10 +117,14 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
     b = sub.add_parser("build", help="emit the program of a spec for a target (or of every spec x target)")
-    b.add_argument("spec", nargs="?", help="spec file, e.g. specs/llama2_7b.py")
+    b.add_argument(
+        "spec", nargs="?", help="spec file, or a bundled spec's name: specs/my_model.py, llama2_7b"
+    )
     b.add_argument("--target", help="e.g. gpu-h100-8; default: every target the spec declares")
     b.add_argument("--out", type=_path, help="output file (default generated/<spec>/<target>.py)")
-    b.add_argument("--all", action="store_true", help="every spec in specs/ for each of its targets")
+    b.add_argument(
+        "--all", action="store_true", help="every bundled spec (axgen/specs/) for each of its targets"
+    )
     b.add_argument("--check", action="store_true", help="write nothing; exit 1 if generated/ is stale")
     b.add_argument(
         "--force", action="store_true", help="replace an existing file that is not a program of this spec"
@@ -147,9 +150,13 @@ def _parser() -> argparse.ArgumentParser:
     e.set_defaults(run=_explain)
 
     a = sub.add_parser("aot", help="compile a program's train step for its target's chips without them")
-    a.add_argument("spec", nargs="?", help="spec file, e.g. specs/llama2_7b.py")
+    a.add_argument(
+        "spec", nargs="?", help="spec file, or a bundled spec's name: specs/my_model.py, llama2_7b"
+    )
     a.add_argument("--target", help="default: every target the spec declares")
-    a.add_argument("--all", action="store_true", help="every spec in specs/ for each of its targets")
+    a.add_argument(
+        "--all", action="store_true", help="every bundled spec (axgen/specs/) for each of its targets"
+    )
     a.add_argument("--json", action="store_true", help="one JSON object per program instead of text")
     a.add_argument(
         "--report", type=_path, help="also write a markdown table of the results, e.g. docs/aot.md"
@@ -163,7 +170,7 @@ def _parser() -> argparse.ArgumentParser:
     pl = sub.add_parser(
         "plan", help="search mesh split x remat x microbatch (x splash block) by compiling; rank what fits"
     )
-    pl.add_argument("spec", help="spec file, e.g. specs/llama2_7b.py")
+    pl.add_argument("spec", help="spec file, or a bundled spec's name: specs/my_model.py, llama2_7b")
     pl.add_argument("--target", required=True, help="e.g. tpu-v5e-256")
     pl.add_argument(
         "--mesh",
@@ -331,9 +338,7 @@ def _jobs(args) -> list[_Job]:
         raise SpecError("give a spec file or --all (not both)")
     if args.all and args.out:
         raise SpecError("--out names one program's file; --all writes each into generated/")
-    spec_files = (
-        sorted(p for p in SPECS.glob("*.py") if p.name != "__init__.py") if args.all else [Path(args.spec)]
-    )
+    spec_files = bundled_specs() if args.all else [spec_path(args.spec)]
     jobs = []
     for spec_file in spec_files:
         spec = load_spec(spec_file)
@@ -454,7 +459,7 @@ def _plan(args) -> int:
             f"axgen plan {date.today()}: {best.step_seconds:.3g} s a step estimated, "
             f"peak {best.report.peak_bytes / 2**30:.2f} GiB of {plan.usable_bytes / 2**30:.1f}"
         )
-        rule = write_rule(Path(args.spec), args.target, best.candidate, why)
+        rule = write_rule(spec_path(args.spec), args.target, best.candidate, why)
         print(f"wrote to {args.spec}: {rule}\nrun `axgen build {args.spec}` to regenerate its programs")
     return 0
 

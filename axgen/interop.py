@@ -5,7 +5,7 @@
     logits = program.forward(params, tokens)      # tokens: int32 [batch, seq]
 
 Reads checkpoints of every HF family whose params the spec's graph names, in the names transformers 5 gives
-them in memory (routed experts fused; `axgen.hf_families` maps the Hub's one tensor per expert onto them): Llama,
+them in memory (routed experts fused; `axgen.hf.families` maps the Hub's one tensor per expert onto them): Llama,
 Mistral, Mixtral, Qwen2, Qwen3, Qwen2-MoE and Gemma 2 are tested.
 """
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
 import importlib.util
 import re
 import signal
@@ -17,6 +18,8 @@ from axgen import spec as spec_module
 from axgen.spec import Model, SpecError, display_path, suggest
 
 _AXGEN_DIR = str(Path(__file__).resolve().parent)
+# The bundled specs, resolved from the axgen that runs (never another checkout's): `axgen build llama_tiny`.
+BUNDLED_SPECS = Path(__file__).resolve().parent / "specs"
 _UNEXPECTED = re.compile(r"(\w+)\.__init__\(\) got an unexpected keyword argument '(\w+)'")
 _MISSING = re.compile(r"(\w+)\.__init__\(\) missing \d+ required keyword-only arguments?: (.+)")
 _POSITIONAL = re.compile(
@@ -31,8 +34,29 @@ class _LoadTimeout(BaseException):
     `except Exception` cannot swallow it."""
 
 
+def bundled_specs() -> list[Path]:
+    return sorted(p for p in BUNDLED_SPECS.glob("*.py") if p.name != "__init__.py")
+
+
+def spec_path(argument: str | Path) -> Path:
+    """A spec file's path, or a bundled spec's name (`llama_tiny`) as the path of that spec."""
+    path = Path(argument)
+    bundled = BUNDLED_SPECS / f"{argument}.py"
+    if not path.exists() and re.fullmatch(r"\w+", str(argument)) and bundled.is_file():
+        return bundled
+    return path
+
+
+def is_bundled(path: Path) -> bool:
+    return path.resolve().parent == BUNDLED_SPECS
+
+
 def load_spec(path: str | Path) -> Model:
-    path = Path(path)
+    argument, path = str(path), spec_path(path)
+    if not path.is_file() and re.fullmatch(r"\w+", argument):
+        names = [p.stem for p in bundled_specs()]
+        hint = suggest(argument, names) or f"; the bundled specs: {', '.join(names)}"
+        raise SpecError(f"{argument}: no such spec file, nor a bundled spec's name{hint}")
     if not path.is_file():
         raise SpecError(f"{path}: no such spec file")
     if path.suffix != ".py":
@@ -49,12 +73,17 @@ _READ = "__axgen_read_mtime__"
 
 
 def _import(path: Path):
-    """Imports the file; in a `specs/` folder as `specs.<name>`, so specs can derive from each other."""
-    in_specs = path.parent.name == "specs"
-    root = path.parent.parent if in_specs else path.parent
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    name = f"specs.{path.stem}" if in_specs else f"axgen_spec_{path.stem}"
+    """Imports the file: a bundled spec as `axgen.specs.<name>`, the module other specs derive from; another in
+    a `specs/` folder as `specs.<name>`, so the specs there can derive from each other."""
+    if is_bundled(path):
+        importlib.import_module("axgen.specs")
+        name = f"axgen.specs.{path.stem}"
+    else:
+        in_specs = path.parent.name == "specs"
+        root = path.parent.parent if in_specs else path.parent
+        if str(root) not in sys.path:
+            sys.path.insert(0, str(root))
+        name = f"specs.{path.stem}" if in_specs else f"axgen_spec_{path.stem}"
     cached = sys.modules.get(name)
     written = path.stat().st_mtime_ns  # a spec rewritten since (axgen plan --write) is read again
     if (
@@ -114,7 +143,8 @@ def _user_frame(err: Exception) -> str:
     frames = [
         f
         for f in traceback.extract_tb(err.__traceback__)
-        if not f.filename.startswith((_AXGEN_DIR, "<")) and "/lib/python3" not in f.filename
+        if (f.filename.startswith(str(BUNDLED_SPECS)) or not f.filename.startswith((_AXGEN_DIR, "<")))
+        and "/lib/python3" not in f.filename
     ]
     if isinstance(err, SyntaxError) and err.filename:
         return f"{display_path(err.filename)}:{err.lineno}"

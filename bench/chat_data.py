@@ -13,7 +13,7 @@ expected ids were made with:
 * chatml-generation, which marks the assistant's text: both render once, and both give the mask
   (`return_assistant_tokens_mask=True`).
 
-axgen's side is `axgen.chat.encode_conversations` (rendering, encoding on every core, masks, as `axgen data --chat`
+axgen's side is `axgen.data.chat.encode_conversations` (rendering, encoding on every core, masks, as `axgen data --chat`
 runs it, without the file reading and writing). transformers' side runs in the Python of --hf-python (which needs
 transformers; axgen never imports it) as `apply_chat_template(batch, tokenize=True, return_dict=True)` over
 batches of 256 conversations, its fastest use. Each side is timed in its own process, after start-up and a warm-up
@@ -32,10 +32,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from axgen.chat import ConversationCounts, encode_conversations, load_chat_template
-from axgen.corpus import module_sources
-from axgen.inputs import Skipped
-from axgen.tokenizer import load_tokenizer
+from axgen.data.chat import ConversationCounts, encode_conversations, load_chat_template
+from axgen.data.corpus import module_sources
+from axgen.data.inputs import Skipped
+from axgen.data.tokenizer import load_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests/fixtures/chat"

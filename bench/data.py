@@ -24,9 +24,9 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from axgen.cli import main as axgen
-from axgen.corpus import module_sources, write_corpus
-from axgen.data import read_manifest
-from axgen.tokenizer import BATCH_CHARS, train_tokenizer
+from axgen.data.corpus import module_sources, write_corpus
+from axgen.data.datasets import read_manifest
+from axgen.data.tokenizer import BATCH_CHARS, train_tokenizer
 
 
 def write_jsonl_corpus(path: Path, megabytes: float, seed: int = 0) -> list[str]:

@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from axgen.build import build
-from axgen.corpus import module_sources
-from axgen.data import write_dataset
+from axgen.data.corpus import module_sources
+from axgen.data.datasets import write_dataset
 from axgen.files import write_atomically
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -82,13 +82,13 @@ WHEELS = ("tensorboardX==2.6.5", "protobuf==7.36.2")
 
 def prepare(out: Path, target: str, seq_len: int, batch: int, tiny: bool, plan_compiles: int) -> None:
     """Everything `run` needs, built with axgen on this host."""
-    from axgen.aot import candidate_rule, compile_target
+    from axgen.analysis.aot import candidate_rule, compile_target
     from axgen.build import build
-    from axgen.corpus import module_sources
-    from axgen.data import write_dataset
+    from axgen.data.corpus import module_sources
+    from axgen.data.datasets import write_dataset
     from axgen.backends import plan_for
     from axgen.loader import load_spec
-    from axgen.plan import search
+    from axgen.analysis.plan import search
 
     shutil.rmtree(out, ignore_errors=True)
     (out / "specs").mkdir(parents=True)
@@ -105,7 +105,7 @@ def prepare(out: Path, target: str, seq_len: int, batch: int, tiny: bool, plan_c
     )
     _download_wheels(out / "wheels")
     rows = []
-    moe = load_spec(ROOT / "specs" / f"{'moe_tiny' if tiny else MODELS['mixtral width'][0]}.py")
+    moe = load_spec(ROOT / "axgen/specs" / f"{'moe_tiny' if tiny else MODELS['mixtral width'][0]}.py")
     experts = moe.feature("moe").num_experts
     dispatches = ("all_gather", "all_to_all") if plan_for(moe, target).num_devices >= experts else ()
     models = {

@@ -163,7 +163,7 @@ class Peak:
 def baseline_rss() -> tuple[int, int]:
     """(peak RSS, peak anonymous RSS) of a process that loads what `axgen convert-hf` loads and does nothing
     else."""
-    code = "import axgen.cli, axgen.hf_weights, orbax.checkpoint, jax; jax.devices()"
+    code = "import axgen.cli, axgen.hf.weights, orbax.checkpoint, jax; jax.devices()"
     run = Peak([sys.executable, "-c", code])
     _, _, peak = run.wait()
     return peak, run.peak["RssAnon"]

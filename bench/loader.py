@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from axgen.data import write_dataset
+from axgen.data.datasets import write_dataset
 from axgen.interop import load_program
 from axgen.runtime import dataset
 from axgen.runtime.program import Program

@@ -29,8 +29,8 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from axgen.corpus import module_sources  # noqa: E402
-from axgen.data import write_dataset  # noqa: E402
+from axgen.data.corpus import module_sources  # noqa: E402
+from axgen.data.datasets import write_dataset  # noqa: E402
 from axgen.interop import load_program  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from axgen.aot import Report, markdown
+from axgen.analysis.aot import Report, markdown
 from axgen.build import build
 from axgen.cli import main as axgen
 from axgen.ir import cost
@@ -14,7 +14,7 @@ from tests.conftest import PROGRAM_ENV, ROOT
 
 PROGRAM_ENV_WITHOUT_FRACTION = {k: v for k, v in PROGRAM_ENV.items() if k != "XLA_PYTHON_CLIENT_MEM_FRACTION"}
 
-TINY = str(ROOT / "specs/llama_tiny.py")
+TINY = str(ROOT / "axgen/specs/llama_tiny.py")
 
 
 def aot(capsys, *args):
@@ -88,7 +88,7 @@ def test_gpu_program_gives_its_allocator_the_share_aot_checks_unless_the_user_sa
 # slow tier: a deviceless compile of an MoE or multi-pass program for the chips (20-30 s on 2 cores)
 @pytest.mark.slow
 def test_h100_moe_program_compiles_with_the_mosaic_gpu_grouped_matmul_forward_and_backward(capsys):
-    code, [report], _ = aot(capsys, str(ROOT / "specs/moe_tiny.py"), "--target", "gpu-h100-8")
+    code, [report], _ = aot(capsys, str(ROOT / "axgen/specs/moe_tiny.py"), "--target", "gpu-h100-8")
     assert code == 0 and report["fits"]
     # In the MoE layers' scan body: three expert products forward, and for each the rows' and the weights'
     # gradient. None is run again in the backward pass: remat save_dots keeps the products by name.
@@ -110,7 +110,7 @@ def test_gradients_cross_between_slices_once_a_step_however_many_passes_it_takes
     pass made 71 a step at 4 passes, 16 per layer scan)."""
     spec = tmp_path / "two_slices.py"
     spec.write_text(
-        "from axgen.spec import MeshRule\nfrom specs.llama_tiny import spec as tiny\n"
+        "from axgen.spec import MeshRule\nfrom axgen.specs.llama_tiny import spec as tiny\n"
         f"spec = tiny.replace(train=tiny.train.replace(global_batch={8 * passes}), mesh_rules=[MeshRule("
         "'tpu-v5e-4x2', {'fsdp': -1}, microbatch=1, why='one sequence per chip per pass')])\n"
     )
@@ -128,7 +128,7 @@ def test_h100_data_parallel_groups_sum_their_passes_apart_with_cudnn_attention(t
     fsdp=8, did not compile); each device now runs the kernel on its own rows and heads."""
     spec = tmp_path / "data_parallel.py"
     spec.write_text(
-        "from axgen.spec import MeshRule\nfrom specs.llama_tiny import spec as tiny\n"
+        "from axgen.spec import MeshRule\nfrom axgen.specs.llama_tiny import spec as tiny\n"
         "spec = tiny.replace(mesh_rules=[MeshRule('gpu-h100-8', {'data': 2, 'fsdp': 4}, microbatch=1, why='dp')])\n"
     )
     code, [report], _ = aot(capsys, str(spec), "--target", "gpu-h100-8")
@@ -150,7 +150,7 @@ def test_expert_parallel_moe_compiles_for_tpu_with_ragged_matmul_kernels(tmp_pat
     spec = tmp_path / "specs" / "moe_ep.py"
     spec.parent.mkdir()
     spec.write_text(
-        "from axgen.spec import MeshRule\nfrom specs.moe_tiny import spec as moe\n"
+        "from axgen.spec import MeshRule\nfrom axgen.specs.moe_tiny import spec as moe\n"
         "spec = moe.replace(mesh_rules=[MeshRule('tpu-.*', {'fsdp': 2, 'expert': 2, 'model': 2}, why='ep')])\n"
     )
     code, [report], _ = aot(capsys, str(spec), "--target", "tpu-v5e-8")
@@ -166,7 +166,7 @@ def test_a_program_that_does_not_fit_exits_1_with_the_figure(tmp_path, capsys):
     spec.write_text(
         # Embedding and head of 16M x 128: 15.3 GiB in float32 before their gradients and Adam moments, on a 16 GiB
         # chip. (A 4M vocabulary did not fit by its whole logits alone, which the fused loss never holds.)
-        "from specs.llama_tiny import spec as tiny\nspec = tiny.replace(vocab_size=16_000_000, targets=['tpu-v5e-1'])\n"
+        "from axgen.specs.llama_tiny import spec as tiny\nspec = tiny.replace(vocab_size=16_000_000, targets=['tpu-v5e-1'])\n"
     )
     code = axgen(["aot", str(spec)])
     out = capsys.readouterr().out
@@ -274,7 +274,7 @@ def test_a_slice_compiles_with_the_wraparound_links_its_chips_have(target, topol
 def test_the_report_names_the_wraparound_links(tmp_path, capsys):
     spec = tmp_path / "wide.py"
     spec.write_text(
-        "from specs.llama_tiny import spec as tiny\n"
+        "from axgen.specs.llama_tiny import spec as tiny\n"
         "spec = tiny.replace(train=tiny.train.replace(global_batch=64), targets=['tpu-v5p-64'])\n"
     )
     code, [report], _ = aot(capsys, str(spec), "--target", "tpu-v5p-64")
@@ -289,7 +289,7 @@ def test_all_to_all_experts_compile_for_tpu_with_ragged_all_to_all(tmp_path, cap
     spec = tmp_path / "specs" / "moe_a2a.py"
     spec.parent.mkdir()
     spec.write_text(
-        "from axgen.spec import MeshRule\nfrom specs.moe_tiny import spec as moe\n"
+        "from axgen.spec import MeshRule\nfrom axgen.specs.moe_tiny import spec as moe\n"
         "rule = MeshRule('.*', {'fsdp': 2, 'expert': 4}, why='ep', moe_dispatch='all_to_all')\n"
         "spec = moe.replace(mesh_rules=[rule])\n"
     )
@@ -311,7 +311,7 @@ def test_expert_parallel_moe_compiles_for_h100_with_the_mosaic_gpu_kernel_on_eit
     spec = tmp_path / "specs" / f"moe_ep_{dispatch}.py"
     spec.parent.mkdir()
     spec.write_text(
-        "from axgen.spec import MeshRule\nfrom specs.moe_tiny import spec as moe\n"
+        "from axgen.spec import MeshRule\nfrom axgen.specs.moe_tiny import spec as moe\n"
         f"rule = MeshRule('.*', {{'fsdp': 2, 'expert': 4}}, why='ep', moe_dispatch={dispatch!r})\n"
         "spec = moe.replace(mesh_rules=[rule])\n"
     )

@@ -19,7 +19,7 @@ def sinks_spec(tmp_path, window):
     spec = tmp_path / "sinks.py"
     window_feature = f", F.sliding_window(window={window})" if window else ""
     spec.write_text(
-        "from specs.llama_tiny import spec as tiny\nfrom axgen.spec import features as F\n"
+        "from axgen.specs.llama_tiny import spec as tiny\nfrom axgen.spec import features as F\n"
         f"spec = tiny.replace(features=[*tiny.features, F.attention_sinks(){window_feature}])\n"
     )
     return spec

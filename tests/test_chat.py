@@ -16,7 +16,7 @@ import pytest
 from tests.conftest import ROOT
 from tests.test_data import error_of, run
 
-from axgen.chat import (
+from axgen.data.chat import (
     ConversationCounts,
     TemplateRaised,
     cut_to,
@@ -24,10 +24,10 @@ from axgen.chat import (
     load_chat_template,
     loss_mask,
 )
-from axgen.data import read_manifest, write_dataset
-from axgen.inputs import DataError, Skipped
+from axgen.data.datasets import read_manifest, write_dataset
+from axgen.data.inputs import DataError, Skipped
 from axgen.runtime import dataset
-from axgen.tokenizer import load_tokenizer
+from axgen.data.tokenizer import load_tokenizer
 
 FIXTURES = ROOT / "tests/fixtures/chat"
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())

@@ -23,7 +23,7 @@ def program(tmp_path_factory):
     """llama_tiny with room for the chat fixtures' 600-token tokenizer, on one CPU device."""
     folder = tmp_path_factory.mktemp("program")
     (folder / "chat_tiny.py").write_text(
-        "from specs.llama_tiny import spec as tiny\n"
+        "from axgen.specs.llama_tiny import spec as tiny\n"
         "spec = tiny.replace(name='chat-tiny', vocab_size=640, targets=['cpu-1'], "
         "train=tiny.train.replace(global_batch=8, seq_len=64, warmup_steps=5, steps=60))\n"
     )

@@ -23,15 +23,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.numpy import save_file
 
-from axgen import aot, cli, files, loader
+from axgen import cli, files, loader
+from axgen.analysis import aot
 from axgen.cli import main
-from axgen.data import write_dataset
+from axgen.data.datasets import write_dataset
 from axgen.files import TEMP_MARK, OutputError, write_atomically
 from axgen.interop import load_program
 from axgen.spec import ACTIVATIONS, QUANTIZE_DTYPES, REMAT_POLICIES, features
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY_SPEC = ROOT / "specs" / "llama_tiny.py"
+TINY_SPEC = ROOT / "axgen/specs" / "llama_tiny.py"
 TINY = TINY_SPEC.read_text()
 IS_ROOT = os.geteuid() == 0
 # What an older axgen wrote from llama_tiny.py (for another target): `axgen build` of the spec replaces it.

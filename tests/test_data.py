@@ -10,13 +10,13 @@ import pyarrow.parquet as pq
 import pytest
 from tokenizers import Tokenizer, models
 
-import axgen.data
+import axgen.data.datasets
 from axgen.cli import main
-from axgen.corpus import MODULES, write_corpus
-from axgen.data import read_manifest, write_dataset
+from axgen.data.corpus import MODULES, write_corpus
+from axgen.data.datasets import read_manifest, write_dataset
 from axgen.files import OutputError, staging_dir
-from axgen.inputs import DataError
-from axgen.tokenizer import train_tokenizer
+from axgen.data.inputs import DataError
+from axgen.data.tokenizer import train_tokenizer
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -201,7 +201,7 @@ def test_an_interrupted_write_leaves_no_directory_behind(tmp_path, monkeypatch, 
             raise failure("interrupted")
         real_save(path, array)
 
-    monkeypatch.setattr(axgen.data.np, "save", failing_save)
+    monkeypatch.setattr(axgen.data.datasets.np, "save", failing_save)
     with pytest.raises(failure):
         write_dataset(
             tmp_path / "ds", random_documents(40, 100), vocab_size=100, bos_id=0, eos_id=99, shard_tokens=50
@@ -531,7 +531,7 @@ def test_an_interrupted_run_publishes_nothing(tmp_path, capsys, monkeypatch, tok
             raise KeyboardInterrupt
         real_save(path, array)
 
-    monkeypatch.setattr(axgen.data.np, "save", interrupted_save)
+    monkeypatch.setattr(axgen.data.datasets.np, "save", interrupted_save)
     code, _, err = data(
         capsys, tokenizer_file, tmp_path / "ds", tmp_path / "in.txt", "--doc-per-line", "--shard-tokens", 100
     )

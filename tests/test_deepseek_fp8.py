@@ -15,9 +15,9 @@ from tests.conftest import ROOT
 from axgen.build import build
 from axgen.cli import main as axgen
 from axgen.files import write_atomically
-from axgen.hf_export import load_params
-from axgen.hf_families import dequantize_fp8_blocks
-from axgen.hf_weights import HFCheckpoint
+from axgen.hf.export import load_params
+from axgen.hf.families import dequantize_fp8_blocks
+from axgen.hf.weights import HFCheckpoint
 from axgen.interop import load_program
 
 FIXTURES = ROOT / "tests/fixtures"

@@ -16,8 +16,8 @@ from tests.test_hf_export import assert_same_tensors, hf_tensors, round_trip, ru
 
 from axgen.build import build
 from axgen.files import write_atomically
-from axgen.hf_export import hf_config
-from axgen.hf_import import TrainChoices, import_config, import_hf
+from axgen.hf.export import hf_config
+from axgen.hf.import_config import TrainChoices, import_config, import_hf
 from axgen.interop import CheckpointError, load_program
 from axgen.loader import load_spec
 

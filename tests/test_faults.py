@@ -156,7 +156,7 @@ def test_when_no_checkpoint_verifies_the_run_stops_and_keeps_them(two_checkpoint
 
 def test_a_model_far_too_big_for_the_machine_is_refused_before_it_allocates(corpus, tmp_path):
     spec = tmp_path / "huge.py"
-    text = (ROOT / "specs/llama_tiny.py").read_text().replace("d_model=128", "d_model=65536")
+    text = (ROOT / "axgen/specs/llama_tiny.py").read_text().replace("d_model=128", "d_model=65536")
     spec.write_text(text.replace("hidden_dim=384", "hidden_dim=131072"))
     assert axgen(["build", str(spec), "--target", "cpu-8", "--out", str(tmp_path / "huge_program.py")]) == 0
     result = run_in_process(tmp_path / "huge_program.py", *program_args(corpus, tmp_path / "run", 2))
@@ -293,7 +293,7 @@ def test_export_hf_takes_the_newest_checkpoint_whose_params_verify(two_checkpoin
     checksums["['params']['embed']"] ^= 1
     recorded.write_text(json.dumps(checksums))
 
-    spec = ROOT / "specs/llama_tiny.py"
+    spec = ROOT / "axgen/specs/llama_tiny.py"
     assert axgen(["export-hf", str(spec), "--ckpt", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
     assert capsys.readouterr().err.startswith(
         f"warning: checkpoint step 4 in {run_dir / 'checkpoints'} is damaged: the checksum of"

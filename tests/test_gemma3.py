@@ -12,8 +12,8 @@ from tests.conftest import ROOT
 
 from axgen.build import build
 from axgen.cli import main as axgen
-from axgen.hf_export import hf_config
-from axgen.hf_import import import_config
+from axgen.hf.export import hf_config
+from axgen.hf.import_config import import_config
 from axgen.interop import hf_layout
 from axgen.ir import cost, from_spec
 from axgen.loader import load_spec
@@ -145,7 +145,7 @@ def test_layers_after_the_last_whole_group_are_windowed_in_a_scan_of_their_own(t
     """Gemma 3 27B's 62 layers are 10 groups of 5 windowed : 1 global, then 2 windowed: here 8 layers in groups of
     3. The last two run in a second scan, with the window and the local theta, and read HF layers 6 and 7."""
     (tmp_path / "spec.py").write_text(
-        "from specs.llama_tiny import spec as tiny\nfrom axgen.spec import features as F\n"
+        "from axgen.specs.llama_tiny import spec as tiny\nfrom axgen.spec import features as F\n"
         "spec = tiny.replace(decoder=tiny.decoder.replace(num_layers=8), features=[\n"
         "    F.rope(theta=1e6, local_theta=1e4), F.sliding_window(window=16, global_every=3)])\n"
     )
@@ -186,7 +186,7 @@ GEMMA3_27B_TRANSFORMERS_PARAMS = 27_009_346_304
 
 
 def test_gemma3_27b_is_the_published_text_model_with_transformers_parameter_count(tmp_path, capsys):
-    bundled = load_spec(ROOT / "specs/gemma3_27b.py")
+    bundled = load_spec(ROOT / "axgen/specs/gemma3_27b.py")
     image_text = {"model_type": "gemma3", "text_config": GEMMA3_27B_TEXT, "vision_config": {}}
     imported_spec = imported(tmp_path, capsys, image_text)
     assert imported_spec.decoder == bundled.decoder

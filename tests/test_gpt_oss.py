@@ -18,9 +18,9 @@ from axgen import runtime
 from axgen.build import build
 from axgen.cli import main as axgen
 from axgen.files import write_atomically
-from axgen.hf_export import hf_config, load_params
-from axgen.hf_families import dequantize_mxfp4
-from axgen.hf_import import import_config
+from axgen.hf.export import hf_config, load_params
+from axgen.hf.families import dequantize_mxfp4
+from axgen.hf.import_config import import_config
 from axgen.interop import load_program
 from axgen.loader import load_spec
 from axgen.runtime.program import Program
@@ -29,7 +29,7 @@ from axgen.runtime.program import Program
 def gpt_oss_moe_tiny(tmp_path, target="cpu-8", capacity_factor=None):
     spec = tmp_path / f"oss_{capacity_factor or 'dropless'}.py"
     spec.write_text(
-        "from specs.moe_tiny import spec as tiny\nfrom axgen.spec import features as F\n"
+        "from axgen.specs.moe_tiny import spec as tiny\nfrom axgen.spec import features as F\n"
         f"moe = tiny.feature('moe').replace(capacity_factor={capacity_factor!r})\n"
         "spec = tiny.replace(features=[tiny.feature('rope'), moe, F.gpt_oss_experts(alpha=1.702, limit=0.05)])\n"
     )

@@ -25,7 +25,7 @@ from axgen.runtime import moe
 from axgen.spec import MeshRule
 from tests.conftest import ROOT, moe_calls, moe_options
 
-MIXTRAL, QWEN_MOE = ROOT / "specs/mixtral_8x7b.py", ROOT / "specs/qwen2_moe_a2_7b.py"
+MIXTRAL, QWEN_MOE = ROOT / "axgen/specs/mixtral_8x7b.py", ROOT / "axgen/specs/qwen2_moe_a2_7b.py"
 PROGRAM = ROOT / "generated/features_tiny/gpu_h100_8.py"  # embed 128 -> mlp 384 experts, gated shared expert
 TPU_PROGRAM = ROOT / "generated/features_tiny/tpu_v5e_8.py"
 

@@ -101,7 +101,7 @@ def test_gpt_oss_imports_as_the_bundled_spec(slug, tmp_path, capsys):
     """The published config, YaRN and all, imports as the bundled spec, with transformers' count."""
     assert axgen(["import-hf", str(CORPUS / f"{slug}.json"), "--out", str(tmp_path / "spec.py")]) == 0
     imported = load_spec(tmp_path / "spec.py")
-    bundled = load_spec(ROOT / "specs" / f"{slug.replace('-', '_')}.py")
+    bundled = load_spec(ROOT / "axgen/specs" / f"{slug.replace('-', '_')}.py")
     assert (imported.vocab_size, imported.d_model, imported.tie_embeddings, imported.decoder) == (
         bundled.vocab_size,
         bundled.d_model,
@@ -138,7 +138,7 @@ def test_a_published_deepseek_config_imports_as_the_bundled_spec(slug, tmp_path,
     assert (fp8 in text) == ("quantization_config" in config)
     assert ("scale_fmt ue8m0" in text) == (slug == "deepseek-v3.1")
     imported = load_spec(tmp_path / "spec.py")
-    bundled = load_spec(ROOT / "specs" / f"{DEEPSEEK_BUNDLED[slug]}.py")
+    bundled = load_spec(ROOT / "axgen/specs" / f"{DEEPSEEK_BUNDLED[slug]}.py")
     assert (imported.vocab_size, imported.d_model, imported.tie_embeddings, imported.decoder) == (
         bundled.vocab_size,
         bundled.d_model,

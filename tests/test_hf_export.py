@@ -14,9 +14,9 @@ from safetensors.numpy import load_file, save_file
 from tests.conftest import ROOT
 
 from axgen.cli import main as axgen
-from axgen.corpus import module_sources
-from axgen.hf_export import hf_config
-from axgen.hf_import import import_config
+from axgen.data.corpus import module_sources
+from axgen.hf.export import hf_config
+from axgen.hf.import_config import import_config
 from axgen.loader import load_spec
 
 FIXTURES = ROOT / "tests/fixtures"
@@ -164,7 +164,7 @@ BUNDLED = [
 
 @pytest.mark.parametrize("name", BUNDLED)
 def test_the_written_config_imports_back_to_the_same_model(name):
-    spec = load_spec(ROOT / "specs" / f"{name}.py")
+    spec = load_spec(ROOT / "axgen/specs" / f"{name}.py")
     config = hf_config(spec, "bfloat16")
     assert config["architectures"][0].endswith("ForCausalLM")
     source, read = import_config(config, "exported/config.json")
@@ -188,7 +188,14 @@ def test_a_runs_newest_checkpoint_exports_with_its_tokenizer(shared_run, tmp_pat
     tokenizer = small_tokenizer(tmp_path, capsys)
     code, output = run(
         capsys,
-        *("export-hf", ROOT / "specs/llama_tiny.py", "--ckpt", shared_run.resumed, "--out", tmp_path / "out"),
+        *(
+            "export-hf",
+            ROOT / "axgen/specs/llama_tiny.py",
+            "--ckpt",
+            shared_run.resumed,
+            "--out",
+            tmp_path / "out",
+        ),
         *("--tokenizer", tokenizer),
     )
     assert code == 0, output

@@ -70,7 +70,7 @@ def test_each_published_config_gives_the_hf_models_parameter_count(model, tmp_pa
     text = (tmp_path / f"{model}.py").read_text()
     assert "sha256 " in text and str(config) in text
     if bundled_name:
-        bundled = load_spec(ROOT / "specs" / f"{bundled_name}.py")
+        bundled = load_spec(ROOT / "axgen/specs" / f"{bundled_name}.py")
         assert (spec.vocab_size, spec.d_model, spec.tie_embeddings) == (
             bundled.vocab_size,
             bundled.d_model,
@@ -96,7 +96,7 @@ BUNDLED |= {"deepseek_v3": 671_026_404_352, "deepseek_v2_lite": 15_706_484_224}
 
 @pytest.mark.parametrize("name", BUNDLED)
 def test_a_bundled_spec_has_transformers_parameter_count(name):
-    assert num_params(load_spec(ROOT / "specs" / f"{name}.py")) == BUNDLED[name]
+    assert num_params(load_spec(ROOT / "axgen/specs" / f"{name}.py")) == BUNDLED[name]
 
 
 def as_transformers_5(config: dict) -> dict:

@@ -19,8 +19,8 @@ from tests.conftest import PROGRAM_ENV, ROOT, run_python
 from axgen.build import build
 from axgen.files import write_atomically
 from axgen.cli import main as axgen
-from axgen.data import write_dataset
-from axgen.hf_weights import HFCheckpoint
+from axgen.data.datasets import write_dataset
+from axgen.hf.weights import HFCheckpoint
 from axgen.interop import hf_to_params, load_program
 from axgen.runtime.program import Program
 

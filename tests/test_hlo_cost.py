@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from axgen.hlo_cost import hlo_cost
+from axgen.analysis.hlo_cost import hlo_cost
 
 # A TPU-style loop (no known_trip_count: the bound is the condition's constant) whose body runs a matmul spelled
 # as a convolution with the heads as a padded window, and a cuBLAS gemm outside it.

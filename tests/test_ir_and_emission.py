@@ -12,7 +12,7 @@ from axgen.passes import PassError, run_passes
 from axgen.passes.manager import RegisteredPass, order
 from tests.conftest import ROOT
 
-TINY = ROOT / "specs/llama_tiny.py"
+TINY = ROOT / "axgen/specs/llama_tiny.py"
 
 
 def test_dump_before_and_after_rope(snapshot):
@@ -27,7 +27,7 @@ def test_dump_before_and_after_rope(snapshot):
 
 @pytest.mark.parametrize(("name", "target"), [("llama_tiny", "tpu-v5e-8"), ("features_tiny", "gpu-h100-8")])
 def test_dump_after_lowering_shows_every_target_decision(name, target, snapshot):
-    graph, _, _ = lowered(load_spec(ROOT / f"specs/{name}.py"), target)
+    graph, _, _ = lowered(load_spec(ROOT / f"axgen/specs/{name}.py"), target)
     assert graph.dump() == snapshot
 
 
@@ -37,7 +37,7 @@ def test_graph_command_prints_each_stage(capsys):
         ("passes", "rope(x=q, positions=positions)", "kernel="),
         ("lowering", "kernel=splash block=128", "kernel=None"),
     ]:
-        assert axgen(["graph", "specs/llama_tiny.py", "--target", "tpu-v5e-8", "--after", after]) == 0
+        assert axgen(["graph", "llama_tiny", "--target", "tpu-v5e-8", "--after", after]) == 0
         out = capsys.readouterr().out
         assert present in out and absent not in out, (after, out)
 

@@ -22,7 +22,7 @@ from axgen.runtime.program import Program
 from axgen.runtime.run import parse_args
 from axgen.runtime.training import BatchSplitError, accumulation_steps
 
-TINY = ROOT / "specs/llama_tiny.py"
+TINY = ROOT / "axgen/specs/llama_tiny.py"
 
 
 def tiny_with(tmp_path, name, rules: str, features: str = "tiny.features"):
@@ -31,7 +31,7 @@ def tiny_with(tmp_path, name, rules: str, features: str = "tiny.features"):
     path.parent.mkdir(exist_ok=True)
     path.write_text(
         "from axgen.spec import MeshRule, Remat\nfrom axgen.spec import features as F\n"
-        "from specs.llama_tiny import spec as tiny\n"
+        "from axgen.specs.llama_tiny import spec as tiny\n"
         f"spec = tiny.replace(mesh_rules=[{rules}], features={features})\n"
     )
     return path
@@ -44,7 +44,7 @@ def program_for(tmp_path, spec_path, target):
 
 
 def test_backend_defaults_for_a_7b_model():
-    llama2 = load_spec(ROOT / "specs/llama2_7b.py")
+    llama2 = load_spec(ROOT / "axgen/specs/llama2_7b.py")
     v5e = plan_for(llama2, "tpu-v5e-256")
     assert dict(v5e.mesh) == {"data": 1, "fsdp": 256, "expert": 1, "model": 1}
     assert v5e.remat.policy == "offload_dots" and v5e.microbatch == 1 and v5e.grad_accum_steps == 4
@@ -54,12 +54,12 @@ def test_backend_defaults_for_a_7b_model():
     assert dict(h100.mesh)["fsdp"] == 8 and h100.attention == "cudnn" and h100.topology == "1x1x8"
     trn2 = plan_for(llama2, "trn2-16")
     assert dict(trn2.mesh) == {"data": 1, "fsdp": 4, "expert": 1, "model": 4} and trn2.topology is None
-    llama3_8b = load_spec(ROOT / "specs/llama3_8b.py")
+    llama3_8b = load_spec(ROOT / "axgen/specs/llama3_8b.py")
     assert dict(plan_for(llama3_8b, "gpu-h100-64").mesh) == {"data": 8, "fsdp": 8, "expert": 1, "model": 1}
     v5p = plan_for(llama3_8b, "tpu-v5p-128")
     assert dict(v5p.mesh)["fsdp"] == 128 and v5p.microbatch == 2 and v5p.grad_accum_steps == 2
     assert v5p.remat.policy == "save_dots" and v5p.xla_flags == ()
-    llama3_70b = load_spec(ROOT / "specs/llama3_70b.py")
+    llama3_70b = load_spec(ROOT / "axgen/specs/llama3_70b.py")
     v5p_512 = plan_for(llama3_70b, "tpu-v5p-512")
     assert dict(v5p_512.mesh) == {"data": 8, "fsdp": 64, "expert": 1, "model": 1}
     assert v5p_512.remat.policy == "full" and v5p_512.rule.origin.file == "specs/llama3_70b.py"
@@ -68,7 +68,7 @@ def test_backend_defaults_for_a_7b_model():
 
 
 def test_multi_slice_target_puts_slices_on_data():
-    plan = plan_for(load_spec(ROOT / "specs/llama2_7b.py"), "tpu-v5e-256x2")
+    plan = plan_for(load_spec(ROOT / "axgen/specs/llama2_7b.py"), "tpu-v5e-256x2")
     assert dict(plan.mesh) == {"data": 2, "fsdp": 256, "expert": 1, "model": 1}
     assert dict(plan.dcn_mesh) == {"data": 2, "fsdp": 1, "expert": 1, "model": 1}
     assert plan.num_devices == 512 and plan.num_hosts == 128 and plan.grad_accum_steps == 2
@@ -243,7 +243,7 @@ def tiny_program_with(tmp_path, features: str, target: str, scale: float | None 
     """llama_tiny with more features (and an attention scale of its own), built for `target` and imported."""
     spec = tmp_path / "variant.py"
     spec.write_text(
-        "from specs.llama_tiny import spec as tiny\nfrom axgen.spec import features as F\n"
+        "from axgen.specs.llama_tiny import spec as tiny\nfrom axgen.spec import features as F\n"
         f"attention = tiny.decoder.attention.replace(scale={scale!r})\n"
         f"spec = tiny.replace(features=[*tiny.features, {features}], "
         "decoder=tiny.decoder.replace(attention=attention))\n"
@@ -326,7 +326,7 @@ def test_an_attention_scale_reaches_every_kernel(target, features, implementatio
     soft-capped XLA path and splash."""
     spec = tmp_path / "scaled.py"
     spec.write_text(
-        "from specs.llama_tiny import spec as tiny\nfrom axgen.spec import features as F\n"
+        "from axgen.specs.llama_tiny import spec as tiny\nfrom axgen.spec import features as F\n"
         "attention = tiny.decoder.attention.replace(scale=144**-0.5)\n"
         f"spec = tiny.replace(features=[*tiny.features, {features}], "
         "decoder=tiny.decoder.replace(attention=attention))\n"
@@ -435,7 +435,9 @@ def test_build_warns_when_a_mesh_leaves_params_whole_on_every_device(tmp_path, c
     assert "(256x its even share over fsdp=256;" in warning and "w_gate, w_up, w_down and others" in warning
     own = tmp_path / "own.py"
     assert (
-        axgen(["build", str(ROOT / "specs/gpt_oss_120b.py"), "--target", "tpu-v5p-256", "--out", str(own)])
+        axgen(
+            ["build", str(ROOT / "axgen/specs/gpt_oss_120b.py"), "--target", "tpu-v5p-256", "--out", str(own)]
+        )
         == 0
     )
     assert capsys.readouterr().err == ""

@@ -21,7 +21,7 @@ from axgen.runtime import moe
 from axgen.runtime.program import Program
 
 FIXTURES = ROOT / "tests/fixtures"
-MOE_TINY = ROOT / "specs/moe_tiny.py"
+MOE_TINY = ROOT / "axgen/specs/moe_tiny.py"
 
 
 def program_for(tmp_path, spec_path, target="cpu-1", name="program"):
@@ -87,7 +87,7 @@ def test_loss_adds_the_weighted_auxiliary_losses(mixtral):
 def capacity_variant(tmp_path, capacity_factor, every=1):
     path = tmp_path / f"capacity_{capacity_factor}_{every}.py"
     path.write_text(
-        "from specs.moe_tiny import spec as moe_tiny\n"
+        "from axgen.specs.moe_tiny import spec as moe_tiny\n"
         "from axgen.spec import features as F\n"
         "moe = moe_tiny.feature('moe')\n"
         f"spec = moe_tiny.replace(features=[moe_tiny.feature('rope'), moe.replace(capacity_factor={capacity_factor}, every={every})])\n"
@@ -130,7 +130,7 @@ def test_mixed_stack_alternates_dense_and_moe_layers():
         and "def layers_group(x, p, positions, segment_ids):" in built.source
     )
     # 2 dense + 2 MoE layers: each MoE layer adds a router and 3 more copies of the MLP.
-    dense = build(ROOT / "specs/llama_tiny.py", "cpu-1").graph
+    dense = build(ROOT / "axgen/specs/llama_tiny.py", "cpu-1").graph
     mlp = 3 * spec.d_model * spec.decoder.mlp.hidden_dim
     assert cost.num_params(built.graph) == cost.num_params(dense) + 2 * (3 * mlp + spec.d_model * 4)
 
@@ -138,7 +138,7 @@ def test_mixed_stack_alternates_dense_and_moe_layers():
 def test_moe_every_must_divide_the_layers(tmp_path):
     path = tmp_path / "bad.py"
     path.write_text(
-        "from specs.moe_tiny import spec as moe_tiny\n"
+        "from axgen.specs.moe_tiny import spec as moe_tiny\n"
         "spec = moe_tiny.replace(features=[moe_tiny.feature('moe').replace(every=3)])\n"
     )
     with pytest.raises(SpecError, match=r"bad.py:2: MoE.every=3 does not divide Decoder.num_layers=4"):
@@ -146,8 +146,8 @@ def test_moe_every_must_divide_the_layers(tmp_path):
 
 
 def test_published_parameter_counts():
-    assert cost.num_params(build(ROOT / "specs/llama2_7b.py", "cpu-8").graph) == 6_738_415_616
-    assert cost.num_params(build(ROOT / "specs/mixtral_8x7b.py", "cpu-8").graph) == 46_702_792_704
+    assert cost.num_params(build(ROOT / "axgen/specs/llama2_7b.py", "cpu-8").graph) == 6_738_415_616
+    assert cost.num_params(build(ROOT / "axgen/specs/mixtral_8x7b.py", "cpu-8").graph) == 46_702_792_704
 
 
 def test_moe_program_trains_on_eight_devices_and_logs_its_auxiliary_losses(corpus, tmp_path):
@@ -217,7 +217,7 @@ def test_mixed_stack_runs_layers_in_order(tmp_path, every):
     dense = load_program(ROOT / "generated/llama_tiny/cpu_1.py")
     path = tmp_path / f"every_{every}.py"
     path.write_text(
-        "from specs.moe_tiny import spec as moe_tiny\n"
+        "from axgen.specs.moe_tiny import spec as moe_tiny\n"
         f"spec = moe_tiny.replace(features=[moe_tiny.feature('rope'), moe_tiny.feature('moe').replace(every={every})])\n"
     )
     mixed = program_for(tmp_path, path, name=path.stem)
@@ -251,7 +251,7 @@ def expert_parallel(tmp_path, dispatch, target="cpu-8", **moe):
     spec = tmp_path / "specs" / f"moe_{dispatch}.py"
     spec.parent.mkdir(exist_ok=True)
     spec.write_text(
-        "from axgen.spec import MeshRule\nfrom specs.moe_tiny import spec as moe\n"
+        "from axgen.spec import MeshRule\nfrom axgen.specs.moe_tiny import spec as moe\n"
         f"rule = MeshRule('.*', {{'data': 2, 'expert': 4}}, why='experts one per device', moe_dispatch={dispatch!r})\n"
         f"feature = moe.feature('moe').replace(**{moe!r})\n"
         "features = [feature if f.pass_name == 'moe' else f for f in moe.features]\n"

@@ -23,7 +23,7 @@ def spec_with(tmp_path, name, **moe):
     spec = tmp_path / "specs" / f"{name}.py"
     spec.parent.mkdir(exist_ok=True)
     spec.write_text(
-        "from specs.moe_tiny import spec as tiny\n"
+        "from axgen.specs.moe_tiny import spec as tiny\n"
         f"moe = tiny.feature('moe').replace(**{moe!r})\n"
         "spec = tiny.replace(features=[moe if f.pass_name == 'moe' else f for f in tiny.features])\n"
     )
@@ -58,7 +58,7 @@ def test_a_dense_layer_computes_what_a_dense_llama_layer_of_that_width_does(head
     spec = tmp_path / "specs" / "dense256.py"
     spec.parent.mkdir()
     spec.write_text(
-        "from specs.llama_tiny import spec as tiny\n"
+        "from axgen.specs.llama_tiny import spec as tiny\n"
         "spec = tiny.replace(decoder=tiny.decoder.replace(mlp=tiny.decoder.mlp.replace(hidden_dim=256)))\n"
     )
     write_atomically(tmp_path / "dense256.py", build(spec, "cpu-1").source)

@@ -9,7 +9,7 @@ import pytest
 from axgen import runtime
 from axgen.build import build
 from axgen.files import write_atomically
-from axgen.hf_export import hf_config
+from axgen.hf.export import hf_config
 from axgen.interop import CheckpointError, load_program
 from axgen.loader import load_spec
 from axgen.spec import SpecError
@@ -20,7 +20,7 @@ def moe_tiny_with(tmp_path, routed_scale):
     spec = tmp_path / "specs" / "scaled.py"
     spec.parent.mkdir(exist_ok=True)
     spec.write_text(
-        "from specs.moe_tiny import spec as tiny\n"
+        "from axgen.specs.moe_tiny import spec as tiny\n"
         f"moe = tiny.feature('moe').replace(routed_scale={routed_scale!r})\n"
         "spec = tiny.replace(features=[moe if f.pass_name == 'moe' else f for f in tiny.features])\n"
     )

@@ -10,7 +10,7 @@ from tests.conftest import ROOT
 
 from axgen.build import build
 from axgen.files import write_atomically
-from axgen.hf_import import TrainChoices, import_hf
+from axgen.hf.import_config import TrainChoices, import_hf
 from axgen.interop import hf_to_params, load_program
 
 FIXTURES = ROOT / "tests/fixtures"
@@ -102,7 +102,7 @@ def test_forward_matches_each_family_in_hf(name, spec_from, tmp_path):
 def test_sliding_window_every_other_layer_keeps_full_attention(tmp_path):
     spec = tmp_path / "alternating.py"
     spec.write_text(
-        "from specs.llama_tiny import spec as tiny\nfrom axgen.spec import features as F\n"
+        "from axgen.specs.llama_tiny import spec as tiny\nfrom axgen.spec import features as F\n"
         "spec = tiny.replace(features=[*tiny.features, F.sliding_window(window=16, global_every=2)])\n"
     )
     built = build(spec, "cpu-1")

@@ -9,7 +9,7 @@ import pytest
 
 from axgen.build import build
 from axgen.cli import main as axgen
-from axgen.explain import explain, logic_lines
+from axgen.analysis.explain import explain, logic_lines
 from axgen.interop import load_program
 from axgen.ir import from_spec
 from axgen.loader import load_spec
@@ -19,7 +19,7 @@ from axgen.spec import SpecError
 from tests.conftest import ROOT
 from axgen.runtime.program import Program
 
-ALL_FEATURES = ROOT / "specs/features_tiny.py"
+ALL_FEATURES = ROOT / "axgen/specs/features_tiny.py"
 
 
 def test_ir_after_each_pass(snapshot):
@@ -55,7 +55,7 @@ def test_a_program_with_every_feature_trains():
 
 
 def test_explain_counts_what_each_pass_did(capsys):
-    reports = {r.name: r for r in explain(build(ROOT / "specs/llama2_7b.py", "tpu-v5e-256"))}
+    reports = {r.name: r for r in explain(build(ROOT / "axgen/specs/llama2_7b.py", "tpu-v5e-256"))}
     assert (reports["rope"].nodes, reports["rope"].instances, reports["rope"].layers) == (3, 96, 32)
     # The target's default remat: the lowering names every projection's output, q, k, v, wo, gate, up, down.
     assert (reports["lower.remat"].nodes, reports["lower.remat"].instances) == (7, 224)
@@ -64,9 +64,9 @@ def test_explain_counts_what_each_pass_did(capsys):
     every = {r.name: r for r in explain(build(ALL_FEATURES, "cpu-1"))}
     assert (every["remat"].nodes, every["remat"].layers) == (0, 4)  # a policy for each block, no node changed
     assert 0 < reports["rope"].logic_lines < reports["rope"].file_lines
-    moe = {r.name: r for r in explain(build(ROOT / "specs/moe_tiny.py", "cpu-8"))}["moe"]
+    moe = {r.name: r for r in explain(build(ROOT / "axgen/specs/moe_tiny.py", "cpu-8"))}["moe"]
     assert (moe.layers, moe.main_nodes) == (2, 1)  # every second layer, and the scan that now runs two blocks
-    assert axgen(["explain", "specs/moe_tiny.py", "--target", "cpu-8"]) == 0
+    assert axgen(["explain", "moe_tiny", "--target", "cpu-8"]) == 0
     assert re.search(r"\nmoe +moe\(num_experts=4", capsys.readouterr().out)
 
 
@@ -78,7 +78,7 @@ def test_logic_lines_skip_docstrings_comments_imports_and_blanks():
 def test_features_that_cannot_work_together_name_both(tmp_path):
     path = tmp_path / "conflict.py"
     path.write_text(
-        "from specs.features_tiny import spec as tiny\n"
+        "from axgen.specs.features_tiny import spec as tiny\n"
         "from axgen.spec import features as F\n"
         "spec = tiny.replace(features=[*tiny.features[:3], F.quantize(dtype='fp8', emulate=True, scaling='delayed',"
         " include='.*')])\n"

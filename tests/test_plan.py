@@ -8,8 +8,8 @@ import types
 
 import pytest
 
-from axgen import plan as planning
-from axgen.aot import candidate_rule, refused_temporaries
+from axgen.analysis import plan as planning
+from axgen.analysis.aot import candidate_rule, refused_temporaries
 from axgen.backends import plan_for
 from axgen.build import build, default_output
 from axgen.cli import main as axgen
@@ -95,7 +95,7 @@ def test_a_policy_is_not_compiled_where_one_keeping_no_more_already_did_not_fit(
         return types.SimpleNamespace(fits=report.fits, report=report)
 
     state = types.SimpleNamespace(out_of_memory={}, compile=compile_candidate, outcomes=[], log=print)
-    spec = load_spec(ROOT / "specs/llama_tiny.py")
+    spec = load_spec(ROOT / "axgen/specs/llama_tiny.py")
     plan = plan_for(spec, "cpu-1")  # 16 sequences on one device
     mesh = planning._full({"fsdp": 1}, 1)
     for policy in ("full", "save_dots", "offload_dots"):
@@ -113,7 +113,7 @@ def test_a_policy_is_not_compiled_where_one_keeping_no_more_already_did_not_fit(
 def test_a_pass_whose_least_possible_peak_is_over_the_budget_is_pruned_without_compiling():
     """A compile at 16 sequences per pass whose temporaries are twice what the device has: at 8 they are at least
     half of that, which with the rest of the peak is still over, so 8 is pruned and said so; 4 is compiled."""
-    spec = load_spec(ROOT / "specs/llama_tiny.py")
+    spec = load_spec(ROOT / "axgen/specs/llama_tiny.py")
     plan = plan_for(spec, "cpu-1")  # 16 sequences on one device
     mesh, usable = planning._full({"fsdp": 1}, 1), plan.usable_bytes
     compiled, logged = [], []
@@ -183,9 +183,9 @@ def test_the_search_compiles_the_target_s_own_rule_first(monkeypatch):
         return types.SimpleNamespace(fits=False, peak_bytes=None, temp_bytes=None)
 
     monkeypatch.setattr(planning, "compile_target", compile_target)
-    spec = load_spec(ROOT / "specs/llama_tiny.py")
+    spec = load_spec(ROOT / "axgen/specs/llama_tiny.py")
     plan = plan_for(spec, "tpu-v5e-8")
-    planning.search(ROOT / "specs/llama_tiny.py", "tpu-v5e-8", max_compiles=3, jobs=1)
+    planning.search(ROOT / "axgen/specs/llama_tiny.py", "tpu-v5e-8", max_compiles=3, jobs=1)
     assert compiled[0] == {
         "mesh": {a: n for a, n in plan.mesh if n > 1},
         "microbatch": plan.microbatch,
@@ -197,11 +197,11 @@ def test_the_search_compiles_the_target_s_own_rule_first(monkeypatch):
 
 def test_plan_inputs_are_one_line(capsys, tmp_path):
     with pytest.raises(SystemExit) as exit:
-        axgen(["plan", str(ROOT / "specs/llama_tiny.py"), "--target", "cpu-8", "--mesh", "fsdb=8"])
+        axgen(["plan", str(ROOT / "axgen/specs/llama_tiny.py"), "--target", "cpu-8", "--mesh", "fsdb=8"])
     assert exit.value.code == 2
     err = capsys.readouterr().err
     assert "names fsdb, not one of data, fsdp, expert, model" in err and len(err.strip().splitlines()) == 1
-    shutil.copy(ROOT / "specs/llama_tiny.py", tmp_path / "tiny.py")
+    shutil.copy(ROOT / "axgen/specs/llama_tiny.py", tmp_path / "tiny.py")
     (tmp_path / "tiny.py").write_text((tmp_path / "tiny.py").read_text().replace("spec = ", "spec = [] or "))
     with pytest.raises(planning.PlanError, match="tiny.py: has no `spec = Model"):
         planning.write_rule(
@@ -218,10 +218,12 @@ def test_meshes_that_cannot_hold_the_params_and_optimizer_state_are_pruned_befor
         raise AssertionError(f"compiled {rule}")
 
     monkeypatch.setattr(planning, "compile_target", compile_target)
-    assert plan_for(load_spec(ROOT / "specs/llama2_7b.py"), "cpu-8").usable_bytes == 3 * 2**30
-    assert plan_for(load_spec(ROOT / "specs/llama_tiny.py"), "cpu-1").usable_bytes == 24 * 2**30
+    assert plan_for(load_spec(ROOT / "axgen/specs/llama2_7b.py"), "cpu-8").usable_bytes == 3 * 2**30
+    assert plan_for(load_spec(ROOT / "axgen/specs/llama_tiny.py"), "cpu-1").usable_bytes == 24 * 2**30
     logged = []
-    assert planning.search(ROOT / "specs/llama2_7b.py", "cpu-8", max_compiles=6, log=logged.append) == []
+    assert (
+        planning.search(ROOT / "axgen/specs/llama2_7b.py", "cpu-8", max_compiles=6, log=logged.append) == []
+    )
     needs = {
         line.split(",")[0].removeprefix("pruned "): float(line.split("need ")[1].split(" GiB")[0])
         for line in logged
@@ -236,7 +238,7 @@ def test_a_mesh_whose_axes_divide_no_dim_of_the_experts_is_pruned_for_what_it_le
     """gpt-oss-120b on tpu-v5p-256: fsdp=256 divides none of the experts' dims (2880 wide, 128 experts), so each
     chip would hold their 114.6B params whole (libtpu: 1.74T of temporaries); fsdp=64 x expert=4, the spec's rule,
     holds an even share."""
-    built = build(ROOT / "specs/gpt_oss_120b.py", "tpu-v5p-256")
+    built = build(ROOT / "axgen/specs/gpt_oss_120b.py", "tpu-v5p-256")
     fsdp_only, spec_rule = planning._full({"fsdp": 256}, 256), planning._full({"fsdp": 64, "expert": 4}, 256)
     logged = []
     assert not planning._holds_the_state(fsdp_only, built, built.plan, logged.append)
@@ -249,14 +251,14 @@ def test_a_candidate_s_program_names_its_spec_file_and_shows_jax_the_target_s_de
     """A candidate (as `--write` records it) is a rule without flags: its CPU program still asks for its 8 fake
     devices, as the backend's own cpu-8 rule's does."""
     rule = candidate_rule("cpu-8", {"mesh": {"fsdp": 8}, "microbatch": 1, "remat": "full"})
-    source = build(ROOT / "specs/llama_tiny.py", "cpu-8", rule).source
+    source = build(ROOT / "axgen/specs/llama_tiny.py", "cpu-8", rule).source
     assert "# Generated by axgen" in source and " from specs/llama_tiny.py for target cpu-8." in source
     assert '"spec": "specs/llama_tiny.py"' in source
     assert 'COMPILER_FLAGS = {"XLA_FLAGS": ("--xla_force_host_platform_device_count=8",)}' in source
-    assert plan_for(load_spec(ROOT / "specs/llama_tiny.py"), "cpu-16").xla_flags == (
+    assert plan_for(load_spec(ROOT / "axgen/specs/llama_tiny.py"), "cpu-16").xla_flags == (
         "--xla_force_host_platform_device_count=16",
     )
-    assert plan_for(load_spec(ROOT / "specs/llama_tiny.py"), "cpu-1").xla_flags == ()
+    assert plan_for(load_spec(ROOT / "axgen/specs/llama_tiny.py"), "cpu-1").xla_flags == ()
 
 
 def _code(source: str) -> list[str]:
@@ -276,7 +278,7 @@ def test_every_row_of_docs_aot_md_is_planned_in_one_compile_or_shown_to_have_no_
     rows = {
         (cells["spec"], cells["target"]): cells for cells in (dict(zip(table[0], row)) for row in table[1:])
     }
-    for spec_file in sorted(p for p in (ROOT / "specs").glob("*.py") if p.name != "__init__.py"):
+    for spec_file in sorted(p for p in (ROOT / "axgen/specs").glob("*.py") if p.name != "__init__.py"):
         spec = load_spec(spec_file)
         for target in spec.targets:
             assert (spec.name, target) in rows, f"docs/aot.md has no row for {spec.name} on {target}"

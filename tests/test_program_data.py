@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from tests.conftest import ROOT
 
-from axgen.data import write_dataset
+from axgen.data.datasets import write_dataset
 from axgen.interop import load_program
 from axgen.runtime import dataset
 from axgen.runtime.program import Program

@@ -21,7 +21,7 @@ def _lowered_texts(spec_path, target: str) -> tuple[str, list[str]]:
 # gpu-h100-8 takes the spec's own mesh rule and its remat; tpu-v5p-128 the spec's rule and the backend's remat.
 @pytest.mark.parametrize("target", ["gpu-h100-8", "tpu-v5p-128"])
 def test_moving_lines_in_a_spec_changes_no_provenance(tmp_path, target):
-    source = (ROOT / "specs/gemma2_9b.py").read_text()
+    source = (ROOT / "axgen/specs/gemma2_9b.py").read_text()
     as_written, moved = tmp_path / "as_written/specs/moved.py", tmp_path / "moved/specs/moved.py"
     for path, text in (
         (as_written, source),
@@ -37,9 +37,9 @@ def test_moving_lines_in_a_spec_changes_no_provenance(tmp_path, target):
 
 
 def test_backend_choices_are_named_by_rule_and_role():
-    _, spec_rule = _lowered_texts(ROOT / "specs/gemma2_9b.py", "gpu-h100-8")
+    _, spec_rule = _lowered_texts(ROOT / "axgen/specs/gemma2_9b.py", "gpu-h100-8")
     assert spec_rule[0] == spec_rule[2] == r"specs/gemma2_9b.py: mesh rule 'gpu-h100-\d+'"
-    _, backend_rule = _lowered_texts(ROOT / "specs/llama2_7b.py", "gpu-h100-8")
+    _, backend_rule = _lowered_texts(ROOT / "axgen/specs/llama2_7b.py", "gpu-h100-8")
     assert backend_rule[0] == "backends/gpu.py: mesh rule 'gpu-h100-[1-8]'"
     assert backend_rule[2] == "backends/gpu.py: remat default"
 
@@ -47,7 +47,7 @@ def test_backend_choices_are_named_by_rule_and_role():
 def test_a_derived_spec_names_the_file_that_set_each_field():
     """mixtral_8x7b.py replaces mistral's name and features; mistral_7b.py derives from llama3_8b.py, which
     built the decoder."""
-    dump, _ = _lowered_texts(ROOT / "specs/mixtral_8x7b.py", "cpu-8")
+    dump, _ = _lowered_texts(ROOT / "axgen/specs/mixtral_8x7b.py", "cpu-8")
     assert "# attention · specs/llama3_8b.py: decoder.attention" in dump
     assert "# moe · specs/mixtral_8x7b.py: features.moe passes=moe" in dump
     assert "# embedding · specs/mixtral_8x7b.py: vocab_size" in dump

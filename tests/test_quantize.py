@@ -24,7 +24,7 @@ def variant(tmp_path, quantize_args, base="llama_tiny", name=None):
     name = name or f"q_{next(NAMES)}"
     path = tmp_path / f"{name}.py"
     path.write_text(
-        f"from specs.{base} import spec as base\n"
+        f"from axgen.specs.{base} import spec as base\n"
         "from axgen.spec import features as F\n"
         f"spec = base.replace(features=[*base.features, F.quantize({quantize_args})])\n"
     )

@@ -109,7 +109,7 @@ def test_gradients_pass_straight_through(matmul, tolerance):
 def variant(tmp_path, quantize_args, moe_args=""):
     path = tmp_path / f"qe_{next(NAMES)}.py"
     path.write_text(
-        "from specs.moe_tiny import spec as base\n"
+        "from axgen.specs.moe_tiny import spec as base\n"
         "from axgen.spec import features as F\n"
         "rope, moe = base.features\n"
         f"spec = base.replace(features=[rope, moe.replace({moe_args}), F.quantize({quantize_args})])\n"
@@ -245,7 +245,7 @@ def test_quantized_experts_split_over_devices_train_as_on_one_device(tmp_path, c
     program's losses are the one-device program's."""
     path = tmp_path / "split_experts.py"
     path.write_text(
-        "from specs.moe_tiny import spec as base\n"
+        "from axgen.specs.moe_tiny import spec as base\n"
         "from axgen.spec import MeshRule, features as F\n"
         f"spec = base.replace(features=[*base.features, F.quantize(dtype='{dtype}', emulate=True,"
         " include=r'moe_layers/moe')],\n"

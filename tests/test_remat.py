@@ -23,7 +23,7 @@ def remat_program(tmp_path, policy, target="cpu-1", base="llama_tiny", moe_capac
         else (f"*tiny.features[:-1], tiny.feature('moe').replace(capacity_factor={moe_capacity})")
     )
     path.write_text(
-        f"from specs.{base} import spec as tiny\n"
+        f"from axgen.specs.{base} import spec as tiny\n"
         "from axgen.spec import features as F\n"
         f"spec = tiny.replace(features=[{features}, F.remat(policy={policy!r})])\n"
     )
@@ -88,18 +88,18 @@ def test_each_policy_saves_different_residuals(programs, batch):
 
 
 def test_backend_default_applies_and_the_spec_overrides_it(tmp_path):
-    tpu = build(ROOT / "specs/llama_tiny.py", "tpu-v5e-8").source
+    tpu = build(ROOT / "axgen/specs/llama_tiny.py", "tpu-v5e-8").source
     assert "remat(policy=save_dots_except_mlp) (backends/tpu.py: remat default)" in tpu
     assert 'REMAT_POLICY = jax.checkpoint_policies.save_only_these_names("qkv_proj", "out_proj")' in tpu
     path = tmp_path / "no_remat.py"
     path.write_text(
-        "from specs.llama_tiny import spec as tiny\n"
+        "from axgen.specs.llama_tiny import spec as tiny\n"
         "from axgen.spec import features as F\n"
         "spec = tiny.replace(features=[*tiny.features, F.remat(policy='none')])\n"
     )
     overridden = build(path, "tpu-v5e-8").source
     assert "jax.checkpoint" not in overridden and "remat(policy=none)" in overridden
-    assert "jax.checkpoint" not in build(ROOT / "specs/llama_tiny.py", "cpu-8").source
+    assert "jax.checkpoint" not in build(ROOT / "axgen/specs/llama_tiny.py", "cpu-8").source
 
 
 def test_cpu_refuses_host_offload(tmp_path):

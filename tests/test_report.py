@@ -10,9 +10,9 @@ import pytest
 from matplotlib.figure import Figure
 from matplotlib.image import imread
 
-from axgen import report
+from axgen.analysis import report
 from axgen.files import OutputError
-from axgen.report import ReportError, load_metrics, write_report
+from axgen.analysis.report import ReportError, load_metrics, write_report
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:e[-+]?\d+)?")

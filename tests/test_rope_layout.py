@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from axgen.cli import main as axgen
-from axgen.hf_export import hf_config
+from axgen.hf.export import hf_config
 from axgen.interop import CheckpointError
 from axgen.spec import SpecError
 from axgen.loader import load_spec
@@ -49,7 +49,7 @@ def test_sliced_interleaved_rope_equals_transformers_deepseek_v2(case):
 def test_the_rope_pass_states_the_layout_in_the_graph(tmp_path, capsys):
     spec = tmp_path / "sliced.py"
     spec.write_text(
-        "from specs.llama_tiny import spec as tiny\nfrom axgen.spec import features as F\n"
+        "from axgen.specs.llama_tiny import spec as tiny\nfrom axgen.spec import features as F\n"
         "features = [f for f in tiny.features if f.pass_name != 'rope']\n"
         "spec = tiny.replace(features=[*features, F.rope(theta=10_000.0, rotary_dim=8, interleaved=True)])\n"
     )
@@ -88,7 +88,7 @@ def test_export_refuses_a_rope_layout_no_exported_family_states(tmp_path):
     one of their configs for such a spec would load in transformers with other logits."""
     spec = tmp_path / "sliced.py"
     spec.write_text(
-        "from specs.llama_tiny import spec as tiny\nfrom axgen.spec import features as F\n"
+        "from axgen.specs.llama_tiny import spec as tiny\nfrom axgen.spec import features as F\n"
         "features = [f for f in tiny.features if f.pass_name != 'rope']\n"
         "spec = tiny.replace(features=[*features, F.rope(theta=10_000.0, interleaved=True)])\n"
     )

@@ -14,8 +14,8 @@ from tests.conftest import ROOT
 from axgen.build import build
 from axgen.cli import main as axgen
 from axgen.files import write_atomically
-from axgen.hf_export import hf_config
-from axgen.hf_import import TrainChoices, import_hf
+from axgen.hf.export import hf_config
+from axgen.hf.import_config import TrainChoices, import_hf
 from axgen.interop import load_program
 from axgen.loader import load_spec
 from axgen.runtime.rope import rope_frequencies
@@ -195,7 +195,7 @@ def test_spec_checks_of_the_new_scalings():
 
 def test_local_theta_needs_windowed_layers(tmp_path):
     (tmp_path / "spec.py").write_text(
-        "from specs.llama_tiny import spec as tiny\nfrom axgen.spec import features as F\n"
+        "from axgen.specs.llama_tiny import spec as tiny\nfrom axgen.spec import features as F\n"
         "spec = tiny.replace(features=[F.rope(theta=1e6, local_theta=1e4)])\n"
     )
     with pytest.raises(SpecError, match=r"RoPE.local_theta=10000.0 is the theta of windowed layers"):
@@ -206,7 +206,7 @@ def test_each_layer_type_gets_its_theta_in_the_lowered_graph(tmp_path):
     """Gemma 3's pattern: the windowed block's rope has local_theta and no scaling; the global block's has theta
     and the scaling. The scan runs them as separate blocks, so each block's rope has one set of attrs."""
     (tmp_path / "spec.py").write_text(
-        "from specs.llama_tiny import spec as tiny\nfrom axgen.spec import features as F\n"
+        "from axgen.specs.llama_tiny import spec as tiny\nfrom axgen.spec import features as F\n"
         "spec = tiny.replace(decoder=tiny.decoder.replace(num_layers=6), features=[\n"
         "    F.rope(theta=1e6, scaling=F.rope_linear(factor=8.0), local_theta=1e4),\n"
         "    F.sliding_window(window=16, global_every=3)])\n"

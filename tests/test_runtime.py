@@ -58,7 +58,7 @@ def test_evaluation_runs_in_the_train_steps_microbatches_and_fits_where_one_pass
 
     spec = tmp_path / "accumulating.py"
     spec.write_text(
-        "from specs.llama_tiny import spec as tiny\nfrom axgen.spec import MeshRule\n"
+        "from axgen.specs.llama_tiny import spec as tiny\nfrom axgen.spec import MeshRule\n"
         "spec = tiny.replace(train=tiny.train.replace(global_batch=32), mesh_rules=[MeshRule('cpu-1', "
         "{'data': 1}, microbatch=4, why='eight microbatches of four sequences')])\n"
     )
@@ -156,7 +156,7 @@ def test_replicas_sum_their_own_passes_and_the_step_equals_one_pass_over_the_bat
 
     spec = tmp_path / "replicas.py"
     spec.write_text(
-        f"from specs.{base} import spec as tiny\nfrom axgen.spec import MeshRule\n"
+        f"from axgen.specs.{base} import spec as tiny\nfrom axgen.spec import MeshRule\n"
         f"spec = tiny.replace(mesh_rules=[MeshRule('cpu-8', {mesh!r}, microbatch=1, "
         "why='two passes of one sequence per device')])\n"
     )

@@ -15,7 +15,7 @@ from axgen.files import write_atomically
 from axgen.interop import load_program
 from tests.conftest import ROOT, STEP_LINE, program_args, run_python
 
-TINY = ROOT / "specs/llama_tiny.py"
+TINY = ROOT / "axgen/specs/llama_tiny.py"
 TARGETS = ["tpu-v5e-8", "tpu-v5e-4x2", "gpu-h100-8", "trn2-16", "cpu-8"]
 
 
@@ -78,7 +78,7 @@ def variant(tmp_path, **changes):
     path = tmp_path / "variant.py"
     args = ", ".join(f"{k}={v}" for k, v in changes.items())
     path.write_text(
-        f"from specs.llama_tiny import spec as tiny\nfrom axgen.spec import *\nspec = tiny.replace({args})\n"
+        f"from axgen.specs.llama_tiny import spec as tiny\nfrom axgen.spec import *\nspec = tiny.replace({args})\n"
     )
     out = tmp_path / "program.py"
     write_atomically(out, build(path, "cpu-1").source)

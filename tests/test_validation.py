@@ -239,6 +239,18 @@ def test_build_of_a_missing_file_exits_2(tmp_path, capsys):
     assert not (tmp_path / "o.py").exists()
 
 
+def test_a_bundled_spec_is_named_without_its_path(tmp_path, capsys):
+    out = tmp_path / "o.py"
+    assert axgen(["build", "llama_tiny", "--target", "cpu-1", "--out", str(out)]) == 0
+    assert "# Regenerate: axgen build llama_tiny --target cpu-1" in out.read_text()
+    capsys.readouterr()
+    assert axgen(["build", "lama_tiny", "--target", "cpu-1", "--out", str(tmp_path / "p.py")]) == 2
+    assert capsys.readouterr().err == (
+        "axgen: error: lama_tiny: no such spec file, nor a bundled spec's name; did you mean 'llama_tiny'?\n"
+    )
+    assert not (tmp_path / "p.py").exists()
+
+
 def test_build_of_a_file_without_spec_exits_2(tmp_path, capsys):
     path = write_spec(tmp_path, "nospec", "model = 3\n")
     assert axgen(["build", str(path), "--target", "cpu-1", "--out", str(tmp_path / "o.py")]) == 2

@@ -20,7 +20,7 @@ import axgen
 from axgen.ir import OPS, Graph, Node
 from axgen.ir.types import LOGICAL_AXES
 
-# The templates ship inside the package (`axgen.templates`, the checkout's templates/), so a wheel emits too.
+# The templates ship inside the package (`axgen.templates`), so a wheel emits too, from the axgen that runs.
 TEMPLATES = importlib.resources.files("axgen.templates")
 # How emitted programs are formatted. `make test`'s `black --check .` reads pyproject.toml's [tool.black] for
 # generated/ too, so the two cannot drift apart unnoticed.

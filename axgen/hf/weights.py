@@ -21,7 +21,7 @@ import ml_dtypes
 import numpy as np
 
 from axgen.files import check_replaceable, staging_dir
-from axgen.hf_families import MODEL_DTYPES, Fp8Blocks, fused_view, mtp_tensors
+from axgen.hf.families import MODEL_DTYPES, Fp8Blocks, fused_view, mtp_tensors
 from axgen.interop import CheckpointError, hf_layout, hf_names, hf_shapes, hf_to_params, host_jax
 from axgen.spec import Model
 

@@ -2,7 +2,7 @@
 
 TPU programs compile for libtpu's description of the slice (`jax.experimental.topologies`), H100 programs for
 the CUDA plugin's, described by the published facts in backends/gpu.py; Trainium and CPU programs compile on fake
-CPU devices with the target's mesh. Each compile runs in a process of its own (`python -m axgen.aot`), because
+CPU devices with the target's mesh. Each compile runs in a process of its own (`python -m axgen.analysis.aot`), because
 the platform, the flags and the number of fake devices are fixed once jax starts.
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 from axgen.backends import Plan, plan_for
 from axgen.backends.common import GIB
 from axgen.build import build, output_name
-from axgen.hlo_cost import hlo_cost
+from axgen.analysis.hlo_cost import hlo_cost
 from axgen.loader import load_spec
 from axgen.spec import MeshRule, Remat, display_path
 
@@ -143,7 +143,15 @@ def compile_target(
     with tempfile.TemporaryDirectory(prefix="axgen-aot-") as tmp:
         program = Path(tmp) / output_name(target)
         program.write_text(built.source)
-        command = [sys.executable, "-m", "axgen.aot", str(program), str(spec_path), target, json.dumps(rule)]
+        command = [
+            sys.executable,
+            "-m",
+            "axgen.analysis.aot",
+            str(program),
+            str(spec_path),
+            target,
+            json.dumps(rule),
+        ]
         try:
             result = subprocess.run(
                 command, env=_environment(built.plan), capture_output=True, text=True, timeout=timeout

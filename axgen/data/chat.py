@@ -44,8 +44,8 @@ import numpy as np
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Encoding
 
-from axgen.inputs import SKIPPED_EXAMPLES, DataError, Skipped, first_line
-from axgen.tokenizer import CONFIG, LoadedTokenizer, pipelined, read_tokenizer_config
+from axgen.data.inputs import SKIPPED_EXAMPLES, DataError, Skipped, first_line
+from axgen.data.tokenizer import CONFIG, LoadedTokenizer, pipelined, read_tokenizer_config
 
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 # ChatML, as Qwen2 and SmolLM write it, for tokenizers without a template of their own; its special tokens must be

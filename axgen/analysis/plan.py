@@ -36,14 +36,14 @@ import black
 import libcst as cst
 import libcst.matchers as m
 
-from axgen.aot import AotError, Report, compile_target
+from axgen.analysis.aot import AotError, Report, compile_target
 from axgen.backends import Plan, plan_for
 from axgen.backends.common import GIB, LOGICAL_AXIS_RULES
 from axgen.build import Built, build
 from axgen.files import write_atomically
 from axgen.ir import cost
 from axgen.loader import load_spec
-from axgen.placement import placement
+from axgen.analysis.placement import placement
 from axgen.spec import MESH_AXES, REMAT_POLICIES, Model
 
 # Least recomputation first: the order in which policies are tried and ties broken.

@@ -19,13 +19,13 @@ import ml_dtypes
 import numpy as np
 
 from axgen.files import check_replaceable, staging_dir
-from axgen.hf_families import ARCHITECTURES, expert_layout, family, family_names, hub_tensors
-from axgen.hf_weights import DTYPES
+from axgen.hf.families import ARCHITECTURES, expert_layout, family, family_names, hub_tensors
+from axgen.hf.weights import DTYPES
 from axgen.interop import CheckpointError, host_jax, iter_hf_tensors
 from axgen.runtime.checkpoints import host_checksum
 from axgen.spec import Model
-from axgen.chat import load_chat_template
-from axgen.tokenizer import load_tokenizer
+from axgen.data.chat import load_chat_template
+from axgen.data.tokenizer import load_tokenizer
 
 SAFETENSORS_DTYPES = {np.dtype(dtype): name for name, dtype in DTYPES.items()}
 TOKENIZER_FILES = (

@@ -17,7 +17,7 @@ import numpy as np
 from tokenizers import Encoding, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from axgen.files import check_replaceable, write_atomically
-from axgen.inputs import DataError, ReadOptions, Skipped, expand_inputs, no_documents, read_texts
+from axgen.data.inputs import DataError, ReadOptions, Skipped, expand_inputs, no_documents, read_texts
 
 CONFIG = "tokenizer_config.json"
 # Tried in order when neither a flag nor tokenizer_config.json names the token.

@@ -1,4 +1,4 @@
-"""Token datasets: the documents of `axgen data`'s inputs (read by `axgen.inputs`) encoded by a tokenizer, and
+"""Token datasets: the documents of `axgen data`'s inputs (read by `axgen.data.inputs`) encoded by a tokenizer, and
 written in the format the emitted programs read (`axgen.runtime.dataset` defines it: the manifest, the shards'
 names and contents, and the reader). A dataset is written into a temporary sibling directory and renamed into
 place at the end, so a directory at the output path is always complete.
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 
-from axgen.chat import ChatTemplate, ConversationCounts, encode_conversations
+from axgen.data.chat import ChatTemplate, ConversationCounts, encode_conversations
 from axgen.files import check_replaceable, staging_dir
-from axgen.inputs import (
+from axgen.data.inputs import (
     SKIPPED_EXAMPLES,
     DataError,
     ReadOptions,
@@ -27,7 +27,7 @@ from axgen.inputs import (
 )
 from axgen.runtime import dataset
 from axgen.runtime.dataset import FORMAT, MANIFEST, MASKED_FORMAT
-from axgen.tokenizer import LoadedTokenizer
+from axgen.data.tokenizer import LoadedTokenizer
 
 SPLITS = ("train", "eval")
 # The largest vocabulary whose ids fit uint16; larger ones are stored as uint32.
@@ -91,7 +91,7 @@ def build_chat_dataset(
     """`axgen data --chat`: reads conversations (`options.field` of JSON Lines records, `options.column` of
     Parquet rows), renders each with `template`, and writes the token ids with their loss masks as a masked
     dataset; returns its manifest. Conversations longer than `max_len` tokens are cut after their last
-    assistant turn that ends within it, or dropped where none does (`axgen.chat.cut_to`)."""
+    assistant turn that ends within it, or dropped where none does (`axgen.data.chat.cut_to`)."""
     files = expand_inputs(inputs)
     skipped = Skipped(options.skip_bad)
     counts = ConversationCounts(max_len=max_len)

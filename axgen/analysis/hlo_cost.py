@@ -5,7 +5,7 @@ microbatches) by its known trip count, a fusion's or call's body once per call. 
 loop's body once, and gives nothing at all on GPU.
 
 Kernels XLA did not write (Pallas, cuDNN, Mosaic GPU custom calls) and ragged dots (MoE experts) are opaque here:
-their FLOPs are not in the dots, and the caller adds them from the model (`axgen/plan.py`).
+their FLOPs are not in the dots, and the caller adds them from the model (`axgen/analysis/plan.py`).
 """
 
 from __future__ import annotations
