@@ -68,7 +68,16 @@ def check(attention, expected, q, k, v, sinks, jit=jax.jit):
 def test_xla_path_with_sinks_equals_the_definition(window):
     q, k, v, sinks, segment_ids = inputs(96)
     expected = functools.partial(reference, segment_ids=segment_ids, window=window)
-    ours = functools.partial(causal_attention, segment_ids=segment_ids, implementation="xla", window=window)
+    ours = functools.partial(
+        causal_attention,
+        segment_ids=segment_ids,
+        implementation="xla_ops",
+        block=None,
+        rules={},
+        window=window,
+        softcap=None,
+        scale=None,
+    )
     check(
         lambda q, k, v, s: ours(q, k, v, sinks=s),
         lambda q, k, v, s: expected(q, k, v, sinks=s),
@@ -103,6 +112,8 @@ def test_splash_kernel_takes_the_sinks_when_sharded(window):
         block=program.SPLASH_BLOCK,
         rules=program.LOGICAL_AXIS_RULES,
         window=window,
+        softcap=None,
+        scale=None,
         interpret=True,
     )
     mesh = jax.make_mesh(
@@ -120,7 +131,7 @@ def test_splash_kernel_takes_the_sinks_when_sharded(window):
 
 
 @pytest.mark.parametrize(
-    ("target", "kernel"), [("cpu-1", "xla_sinks"), ("gpu-h100-8", "xla_sinks"), ("tpu-v5e-8", "splash")]
+    ("target", "kernel"), [("cpu-1", "xla_ops"), ("gpu-h100-8", "xla_ops"), ("tpu-v5e-8", "splash")]
 )
 def test_the_lowering_names_the_path_that_takes_the_sinks(target, kernel, tmp_path, capsys):
     """cuDNN (through jax.nn.dot_product_attention) and XLA's fused call take no sinks: their targets run the

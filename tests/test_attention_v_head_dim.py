@@ -66,7 +66,10 @@ def test_the_lowering_pads_v_only_for_kernels_that_take_one_head_dim(kernel, v_d
     k's, so the lowering pads v there, and only where the dims differ."""
     g = attention_graph(v_dim)
     attention_kernel(
-        g, SimpleNamespace(attention=kernel, attention_block=128 if kernel == "splash" else None)
+        g,
+        SimpleNamespace(
+            attention=kernel, attention_block=128 if kernel == "splash" else None, compute_dtype="bfloat16"
+        ),
     )
     [node] = g.nodes(op="attention")
     assert (node.attrs.kernel, node.attrs.v_head_dim, node.attrs.pad_v) == (
@@ -93,9 +96,9 @@ def reference(q, k, v, segment_ids, softcap=None):
 
 @pytest.mark.parametrize("softcap", [None, 2.0])
 def test_each_kernel_path_equals_plain_attention_with_a_narrower_v(softcap):
-    """Values and gradients of q, k, v: XLA (and so cuDNN's call, which differs only in `implementation`) and the
-    soft-capped XLA path with v padded and the output sliced back; splash (in interpret mode, as on CPU it can only
-    run so) with v as it is."""
+    """Values and gradients of q, k, v: XLA (and so cuDNN's call, which differs only in `implementation`) with v
+    padded and the output sliced back, or the soft-capped plain-XLA path; splash (in interpret mode, as on CPU it
+    can only run so) with v as it is."""
     q, k, v = (
         jax.random.normal(key, shape)
         for key, shape in zip(
@@ -104,10 +107,13 @@ def test_each_kernel_path_equals_plain_attention_with_a_narrower_v(softcap):
     )
     document_starts = np.random.default_rng(0).random((2, 256)) < 0.02
     segment_ids = jnp.asarray(np.cumsum(document_starts, axis=1) + 1, jnp.int32)
+    options = dict(rules={}, window=None, softcap=softcap, scale=None, sinks=None)
     paths = {
-        "xla": functools.partial(causal_attention, implementation="xla", softcap=softcap),
+        "xla": functools.partial(
+            causal_attention, implementation="xla" if softcap is None else "xla_ops", block=None, **options
+        ),
         "splash": functools.partial(
-            causal_attention, implementation="splash", block=128, rules={}, softcap=softcap, interpret=True
+            causal_attention, implementation="splash", block=128, interpret=True, **options
         ),
     }
     expected = reference(q, k, v, segment_ids, softcap)

@@ -150,14 +150,23 @@ def test_shape_rules_reject_an_ill_typed_rewrite():
 
 
 def test_one_vocabulary_of_axes_and_kernels():
-    from axgen.backends.common import DOCUMENT_MASKS, KERNEL_OPTIONS, LOGICAL_AXIS_RULES
+    from axgen.backends import FAMILIES
+    from axgen.backends.common import LOGICAL_AXIS_RULES
     from axgen.ir import TensorType
     from axgen.ir.types import LOGICAL_AXES
-    from axgen.spec import ATTENTION_KERNELS
+    from axgen.runtime.kernels import ATTENTION_FALLBACKS, ATTENTION_KERNELS, GROUPED_MATMUL_KERNELS
+    from axgen.spec import ATTENTION_KERNELS as NAMED_BY_RULES
 
     assert [axis for axis, _ in LOGICAL_AXIS_RULES] == list(LOGICAL_AXES)
-    # DOCUMENT_MASKS also holds the lowering's own XLA paths for a soft-capped attention and one with sinks, which
-    # no spec names.
-    assert set(KERNEL_OPTIONS) == set(DOCUMENT_MASKS) - {"xla_softcap", "xla_sinks"} == set(ATTENTION_KERNELS)
+    # The runtime's table holds every kernel a mesh rule may name and the lowering's XLA paths, which no spec names;
+    # each chip's kernels are in it, and a chip-only kernel's test switch has an XLA path that takes all it takes.
+    assert set(ATTENTION_KERNELS) == set(NAMED_BY_RULES) | set(ATTENTION_FALLBACKS)
+    assert {k for family in FAMILIES for k in family.kernels} <= set(NAMED_BY_RULES)
+    for kernel in ATTENTION_KERNELS.values():
+        if kernel.chip_only:
+            assert any(kernel.options <= ATTENTION_KERNELS[name].options for name in ATTENTION_FALLBACKS)
+    chips = [family.grouped_matmul.kernel for family in FAMILIES if family.grouped_matmul]
+    assert set(chips) <= set(GROUPED_MATMUL_KERNELS)
+    assert all(GROUPED_MATMUL_KERNELS[k].stand_in in GROUPED_MATMUL_KERNELS for k in chips)
     with pytest.raises(ValueError, match="unknown logical axis 'hidden'"):
         TensorType.of("batch", ("hidden", 4))

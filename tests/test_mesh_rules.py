@@ -269,9 +269,7 @@ def test_splash_kernel_equals_xla_attention_when_sharded(window, softcap, scale)
     (the kernel's own cap against the XLA helper the program uses where a kernel has none), with a softmax scale
     other than head_dim**-0.5 (Gemma-2-27B's), each over rows that pack several documents (segment ids into the
     kernel against XLA's dense document mask)."""
-    options = {
-        k: v for k, v in {"window": window, "softcap": softcap, "scale": scale}.items() if v is not None
-    }
+    options = {"window": window, "softcap": softcap, "scale": scale, "sinks": None}
     program = load_program(ROOT / "generated/llama_tiny/tpu_v5e_8.py")
     q, k, v = (
         jax.random.normal(key, shape)
@@ -289,7 +287,14 @@ def test_splash_kernel_equals_xla_attention_when_sharded(window, softcap, scale)
     def loss(attention, q, k, v):
         return (attention(q, k, v) ** 2).sum()
 
-    xla = functools.partial(causal_attention, segment_ids=segment_ids, implementation="xla", **options)
+    xla = functools.partial(
+        causal_attention,
+        segment_ids=segment_ids,
+        implementation="xla" if softcap is None else "xla_ops",
+        block=None,
+        rules={},
+        **options,
+    )
     expected = xla(q, k, v)
     expected_grads = jax.grad(functools.partial(loss, xla), argnums=(0, 1, 2))(q, k, v)
     splash = functools.partial(
@@ -317,7 +322,7 @@ def test_splash_kernel_equals_xla_attention_when_sharded(window, softcap, scale)
     [
         ("cpu-1", "", "ATTENTION_IMPL"),  # xla
         ("gpu-h100-8", "", "ATTENTION_IMPL"),  # cudnn
-        ("gpu-h100-8", "F.softcap(attention=2.0)", "'xla'"),  # cuDNN has no soft-cap
+        ("gpu-h100-8", "F.softcap(attention=2.0)", "'xla_ops'"),  # cuDNN has no soft-cap
         ("tpu-v5e-8", "F.softcap(attention=2.0)", "ATTENTION_IMPL"),  # splash
     ],
 )
@@ -357,7 +362,15 @@ def test_softcapped_attention_is_attention_when_the_cap_is_far(window):
     local_window_size = None if window is None else (window - 1, 0)
     expected = jax.nn.dot_product_attention(q, k, v, is_causal=True, local_window_size=local_window_size)
     one_document = jnp.ones((2, 64), jnp.int32)
-    capped = functools.partial(causal_attention, implementation="xla", window=window)
+    capped = functools.partial(
+        causal_attention,
+        implementation="xla_ops",
+        block=None,
+        rules={},
+        window=window,
+        scale=None,
+        sinks=None,
+    )
     got = capped(q, k, v, one_document, softcap=1e4)
     np.testing.assert_allclose(got, expected, atol=1e-5)
     capped = capped(q * 30, k, v, one_document, softcap=1.0)

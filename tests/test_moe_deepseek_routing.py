@@ -199,7 +199,7 @@ def test_sequence_wise_balance_loss_by_hand(tmp_path):
     np.testing.assert_allclose(float(losses["seq_balance_loss"]), np.mean(expected), rtol=1e-5)
     unweighted = program_with(tmp_path, name="no_seq_loss", scoring="sigmoid")
     assert "seq_balance_loss" not in unweighted.AUX_LOSS_WEIGHTS
-    assert "seq_balance" not in open(unweighted.__file__).read()
+    assert moe_options(unweighted)["routing"].seq_balance_loss is False
 
 
 def test_loads_add_up_over_microbatches_and_over_devices(tmp_path):

@@ -14,7 +14,7 @@ from axgen.interop import load_program
 from axgen.passes import PassError
 from axgen.spec import SpecError
 from tests.conftest import ROOT
-from axgen.runtime import dataset
+from axgen.runtime import dataset, quantize
 from axgen.runtime.program import Program
 
 NAMES = itertools.count()
@@ -52,12 +52,12 @@ EINSUMS = [("bse,ef->bsf", (4, 16, 64), (64, 48)), ("bshd,hde->bse", (2, 8, 4, 1
 
 
 @pytest.mark.parametrize("spec, x_shape, w_shape", EINSUMS)
-def test_int8_dot_error_is_within_its_documented_bound(programs, spec, x_shape, w_shape):
+def test_int8_dot_error_is_within_its_documented_bound(spec, x_shape, w_shape):
     x = np.asarray(jax.random.normal(jax.random.key(0), x_shape))
     w = np.asarray(jax.random.normal(jax.random.key(1), w_shape)) * 0.05
-    got = np.asarray(programs["int8"].int8_einsum(spec, jnp.asarray(x), jnp.asarray(w)))
+    got = np.asarray(quantize.int8_einsum(spec, jnp.asarray(x), jnp.asarray(w)))
     exact = np.einsum(spec, x.astype(np.float64), w.astype(np.float64))
-    _, _, _, x_axes, w_axes = programs["int8"].einsum_operands(spec)
+    _, _, _, x_axes, w_axes = quantize.einsum_operands(spec)
     x_scale = np.abs(x).max(axis=x_axes, keepdims=True) / 127
     w_scale = np.abs(w).max(axis=w_axes, keepdims=True) / 127
     products = np.prod([x.shape[a] for a in x_axes])
@@ -72,10 +72,10 @@ def test_int8_dot_error_is_within_its_documented_bound(programs, spec, x_shape, 
 
 
 @pytest.mark.parametrize("spec, x_shape, w_shape", EINSUMS)
-def test_fp8_dot_error_is_within_its_documented_bound(programs, spec, x_shape, w_shape):
+def test_fp8_dot_error_is_within_its_documented_bound(spec, x_shape, w_shape):
     x = np.asarray(jax.random.normal(jax.random.key(2), x_shape))
     w = np.asarray(jax.random.normal(jax.random.key(3), w_shape)) * 0.05
-    got = np.asarray(programs["fp8"].fp8_einsum(spec, jnp.asarray(x), jnp.asarray(w)))
+    got = np.asarray(quantize.fp8_einsum(spec, jnp.asarray(x), jnp.asarray(w)))
     exact = np.einsum(spec, x.astype(np.float64), w.astype(np.float64))
     # Each operand is within 2^-4 relative or 2^-10 * its per-tensor scale (max|.| / 448) absolute.
     rel, x_abs, w_abs = 2.0**-4, 2.0**-10 * np.abs(x).max() / 448, 2.0**-10 * np.abs(w).max() / 448
@@ -86,11 +86,11 @@ def test_fp8_dot_error_is_within_its_documented_bound(programs, spec, x_shape, w
 
 
 @pytest.mark.parametrize("dtype", ["int8", "fp8"])
-def test_gradients_pass_straight_through(programs, dtype):
+def test_gradients_pass_straight_through(dtype):
     spec = "bse,ef->bsf"
     x = jax.random.normal(jax.random.key(4), (2, 8, 32))
     w = jax.random.normal(jax.random.key(5), (32, 16)) * 0.1
-    einsum = getattr(programs[dtype], f"{dtype}_einsum")
+    einsum = getattr(quantize, f"{dtype}_einsum")
     got = jax.grad(lambda x, w: einsum(spec, x, w).sum(), argnums=(0, 1))(x, w)
     want = jax.grad(lambda x, w: jnp.einsum(spec, x, w).sum(), argnums=(0, 1))(x, w)
     # int8 differentiates the bf16 einsum; fp8 multiplies e5m2 gradients by the e4m3 operands (as Transformer
@@ -147,17 +147,17 @@ def test_targets_refuse_dtypes_they_lack_unless_emulated(tmp_path):
         SpecError, match=r"quantize\(dtype=int8\) needs int8, which target trn2-16 \(AWS Trainium2\)"
     ):
         build(variant(tmp_path, 'dtype="int8"'), "trn2-16")
-    assert "def fp8_einsum(" in build(variant(tmp_path, 'dtype="fp8", emulate=True'), "tpu-v5e-8").source
+    assert "runtime.fp8_einsum(" in build(variant(tmp_path, 'dtype="fp8", emulate=True'), "tpu-v5e-8").source
 
 
 def test_the_target_picks_the_dtype_when_the_spec_does_not(tmp_path):
     path = variant(tmp_path, "")
     assert (
-        "int8_einsum(" in build(path, "tpu-v5e-8").source
+        "runtime.int8_einsum(" in build(path, "tpu-v5e-8").source
         and "fp8_einsum" not in build(path, "tpu-v5e-8").source
     )
     assert (
-        "fp8_einsum(" in build(path, "gpu-h100-8").source
+        "runtime.fp8_einsum(" in build(path, "gpu-h100-8").source
         and "int8_einsum" not in build(path, "gpu-h100-8").source
     )
 

@@ -19,7 +19,7 @@ from axgen.loader import load_spec
 from axgen.passes import run_passes
 from axgen.runtime import fp8_ragged_dot, int8_ragged_dot
 from axgen.spec import MeshRule
-from tests.conftest import ROOT, STEP_LINE
+from tests.conftest import ROOT, STEP_LINE, moe_calls
 from tests.test_quantize import train_losses
 from tests.test_targets_on_cpu import run_main
 
@@ -145,7 +145,9 @@ def test_a_tiny_moe_with_quantized_experts_trains_about_as_well_as_without(
 def test_experts_are_quantized_only_when_include_names_them(tmp_path):
     default = build(variant(tmp_path, 'dtype="int8"'), "cpu-1")
     (experts,) = default.graph.nodes(op="moe")
-    assert experts.attrs.quantize is None and "quantize=" not in default.source
+    assert experts.attrs.quantize is None and [call["quantize"] for call in moe_calls(default.source)] == [
+        "None"
+    ]
     assert (
         "int8 dots: layers/{q,k,v,attn_out,gate,up,mlp_out} moe_layers/{q,k,v,attn_out}; routed experts unquantized"
         in default.source.splitlines()[4]

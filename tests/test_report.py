@@ -265,3 +265,47 @@ def test_an_unwritable_output_is_an_output_error(tmp_path):
     with pytest.raises(OutputError, match=re.escape(f"{tmp_path / 'taken'}: cannot write")):
         write_report(tmp_path, tmp_path / "taken")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl", "taken"]
+
+
+def start_record(step: int, began: str) -> dict:
+    schedule = [[s, 1e-3 * min(1.0, s / 20)] for s in range(0, 1001)]
+    run = {
+        "model": "llama-tiny",
+        "target": "gpu-h100-8",
+        "devices": 8,
+        "began": began,
+        "lr_schedule": schedule,
+    }
+    return {"step": step, "run": run}
+
+
+def test_the_report_names_the_run_draws_its_schedule_and_marks_each_resume(tmp_path):
+    records = [start_record(0, "initialised from seed"), *segment(0, 200)]
+    records += [start_record(200, "resumed from step 200"), *segment(200, 500)]
+    write_metrics(tmp_path, records)
+    train, evals = report.load_metrics(tmp_path)
+
+    starts = [r for r in records if "run" in r]
+    figure = report._figure(report._title(starts[-1]["run"]), train, evals, starts)
+    assert figure._suptitle.get_text() == "llama-tiny on gpu-h100-8 (8 devices)"
+    titles = [axes.get_title() for axes in figure.axes]
+    assert titles == [
+        "loss",
+        "throughput",
+        "model FLOPs utilisation",
+        "learning rate",
+    ], "MFU has its own panel"
+    for axes in figure.axes:  # the resume, across every panel
+        assert any(list(line.get_xdata()) == [200, 200] for line in axes.get_lines()), axes.get_title()
+    schedule = next(line for line in figure.axes[-1].get_lines() if line.get_label() == "schedule")
+    assert list(schedule.get_xdata()) == list(range(0, 501)), "every step of the schedule the run reached"
+    assert schedule.get_ydata()[20] == pytest.approx(1e-3) and schedule.get_ydata()[10] == pytest.approx(5e-4)
+
+    png, table = write_report(tmp_path)
+    assert table_rows(table)["resumes"] == "1"
+
+
+def test_a_run_without_mfu_has_no_mfu_panel():
+    train = [{"step": s, "loss": 3.0 - s / 100, "tokens_per_second": 1000.0} for s in range(1, 50)]
+    figure = report._figure("run", train, [], [])
+    assert [axes.get_title() for axes in figure.axes] == ["loss", "throughput", "learning rate"]

@@ -16,7 +16,7 @@ from axgen.hf.export import hf_config
 from axgen.interop import CheckpointError
 from axgen.spec import SpecError
 from axgen.loader import load_spec
-from axgen.runtime.rope import rope
+from axgen.runtime.rotary import rope
 
 FIXTURE = Path(__file__).parent / "fixtures" / "hf_deepseek_v2_rope.npz"
 ROTARY = 8

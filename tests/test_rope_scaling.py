@@ -18,7 +18,7 @@ from axgen.hf.export import hf_config
 from axgen.hf.import_config import TrainChoices, import_hf
 from axgen.interop import load_program
 from axgen.loader import load_spec
-from axgen.runtime.rope import rope_frequencies
+from axgen.runtime.rotary import rope_frequencies
 from axgen.spec import SpecError
 from axgen.spec import features as F
 

@@ -295,3 +295,18 @@ def test_a_program_trains_on_the_cross_entropy_of_its_own_logits(tmp_path):
         )
     np.testing.assert_allclose(value, expected, rtol=1e-5)
     jax.tree.map(lambda g, e: np.testing.assert_allclose(g, e, rtol=1e-3, atol=1e-6), grads, expected_grads)
+
+
+def test_every_name_a_program_reads_from_the_runtime_is_what_it_names():
+    """The runtime imports its names lazily; a submodule of the same name as one (runtime.rope once was both)
+    would shadow it once imported."""
+    import importlib
+    import pkgutil
+    import types
+
+    from axgen import runtime
+
+    for module in pkgutil.iter_modules(runtime.__path__):
+        importlib.import_module(f"axgen.runtime.{module.name}")
+    for name in runtime.__all__:
+        assert not isinstance(getattr(runtime, name), types.ModuleType), name

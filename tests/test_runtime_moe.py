@@ -13,6 +13,42 @@ from axgen.runtime.moe import top_k_corrected
 
 TOKENS, EXPERTS, EMBED, HIDDEN = 10, 8, 6, 4
 
+# The runtime states no defaults (a program prints every option): Mixtral's routing, and a plain expert call's
+# options, which each test changes where it means to.
+MIXTRAL = dict(
+    scoring="softmax",
+    renormalize=True,
+    routed_scale=None,
+    n_group=None,
+    topk_group=None,
+    group_score=None,
+    seq_balance_loss=False,
+)
+EXPERT_OPTIONS = dict(
+    swiglu_limit=None, swiglu_alpha=None, correction_bias=None, biases=None, checkpoint_names=None
+)
+DROPLESS_OPTIONS = dict(
+    EXPERT_OPTIONS,
+    kernel="ragged_dot",
+    tiles=None,
+    quantize=None,
+    dispatch="all_gather",
+    check_vma=True,
+    rules=None,
+)
+
+
+def routing_with(top_k, **fields):
+    return runtime.Routing(top_k=top_k, **{**MIXTRAL, **fields})
+
+
+def dropless(*arrays, **options):
+    return runtime.moe_dropless(*arrays, **{**DROPLESS_OPTIONS, **options})
+
+
+def with_capacity(*arrays, **options):
+    return runtime.moe_with_capacity(*arrays, **{**EXPERT_OPTIONS, **options})
+
 
 def sigmoid(x):
     return 1 / (1 + np.exp(-x))
@@ -56,13 +92,13 @@ def ascending(weights, experts):
 
 
 ROUTINGS = {
-    "mixtral": runtime.Routing(top_k=2),
-    "qwen_unnormalised": runtime.Routing(top_k=3, renormalize=False),
-    "v2_groups_max": runtime.Routing(top_k=3, n_group=4, topk_group=2, group_score="max", routed_scale=1.5),
-    "v3_sigmoid_groups": runtime.Routing(
+    "mixtral": routing_with(top_k=2),
+    "qwen_unnormalised": routing_with(top_k=3, renormalize=False),
+    "v2_groups_max": routing_with(top_k=3, n_group=4, topk_group=2, group_score="max", routed_scale=1.5),
+    "v3_sigmoid_groups": routing_with(
         top_k=3, scoring="sigmoid", n_group=4, topk_group=2, group_score="top2_sum", routed_scale=2.5
     ),
-    "sigmoid_unnormalised": runtime.Routing(top_k=2, scoring="sigmoid", renormalize=False),
+    "sigmoid_unnormalised": routing_with(top_k=2, scoring="sigmoid", renormalize=False),
 }
 
 
@@ -88,7 +124,7 @@ def test_the_auxiliary_losses_are_the_formulas_by_hand():
     """Load balance experts * sum_e(f_e * p_e) with p the scores over their sum, z-loss mean(logsumexp^2), and
     DeepSeek-V3's per-sequence balance, experts / (top_k * seq) * sum_e(count_e * mean p_e), over 3 sequences.
     """
-    routing = runtime.Routing(top_k=2, scoring="sigmoid", seq_balance_loss=True)
+    routing = routing_with(top_k=2, scoring="sigmoid", seq_balance_loss=True)
     logits = np.random.default_rng(1).normal(size=(3, 5, EXPERTS))
     _, _, losses = runtime.route(jnp.asarray(logits, jnp.float32), routing)
     p = sigmoid(logits) / sigmoid(logits).sum(-1, keepdims=True)
@@ -202,8 +238,8 @@ def as_f32(*arrays):
 def test_dropless_equals_a_loop_over_each_tokens_experts(biased):
     x, logits, w_gate, w_up, w_down, biases = tiny_experts(3, biased=biased)
     activation = GPT_OSS if biased else {"activation": "swiglu"}
-    routing = runtime.Routing(top_k=2)
-    out, aux = runtime.moe_dropless(
+    routing = routing_with(top_k=2)
+    out, aux = dropless(
         *as_f32(x, logits, w_gate, w_up, w_down),
         routing=routing,
         biases=as_f32(*biases) if biased else None,
@@ -224,13 +260,13 @@ def test_dropless_split_over_data_expert_and_model_equals_the_loop(dispatch, bia
     partial outputs summed back give the loop's output, and the losses are the whole batch's."""
     x, logits, w_gate, w_up, w_down, biases = tiny_experts(4, batch=4, biased=biased)
     activation = GPT_OSS if biased else {"activation": "swiglu"}
-    routing = runtime.Routing(top_k=2)
+    routing = routing_with(top_k=2)
     mesh = jax.make_mesh(
         (2, 1, 2, 2), ("data", "fsdp", "expert", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 4
     )
 
     def moe(x, logits, w_gate, w_up, w_down, biases):
-        return runtime.moe_dropless(
+        return dropless(
             x,
             logits,
             w_gate,
@@ -260,8 +296,8 @@ def test_capacity_keeps_first_choices_first_up_to_each_experts_slots(capacity_fa
     """capacity = ceil(top_k * seq * factor / experts): 2 x 8 x 0.5 / 4 = 2 slots per expert and sequence, or 8
     (room for every copy)."""
     x, logits, w_gate, w_up, w_down, biases = tiny_experts(5, seq=8, biased=True)
-    routing = runtime.Routing(top_k=2)
-    out, aux = runtime.moe_with_capacity(
+    routing = routing_with(top_k=2)
+    out, aux = with_capacity(
         *as_f32(x, logits, w_gate, w_up, w_down),
         routing=routing,
         capacity_factor=capacity_factor,
@@ -289,10 +325,10 @@ def test_capacity_keeps_first_choices_first_up_to_each_experts_slots(capacity_fa
 def test_checkpoint_names_name_the_experts_products_for_remat():
     x, logits, w_gate, w_up, w_down, _ = tiny_experts(6)
     args = as_f32(x, logits, w_gate, w_up, w_down)
-    options = dict(routing=runtime.Routing(top_k=2), activation="swiglu")
+    options = dict(routing=routing_with(top_k=2), activation="swiglu")
     for moe in (
-        runtime.moe_dropless,
-        lambda *a, **o: runtime.moe_with_capacity(*a, capacity_factor=1.0, **o),
+        dropless,
+        lambda *a, **o: with_capacity(*a, capacity_factor=1.0, **o),
     ):
         named = str(
             jax.make_jaxpr(lambda *a: moe(*a, checkpoint_names=("mlp_in", "mlp_out"), **options))(*args)
@@ -304,12 +340,12 @@ def test_checkpoint_names_name_the_experts_products_for_remat():
 def test_a_kernel_or_dispatch_the_library_lacks_is_one_error():
     x, logits, w_gate, w_up, w_down, _ = tiny_experts(7)
     args = as_f32(x, logits, w_gate, w_up, w_down)
-    options = dict(routing=runtime.Routing(top_k=2), activation="swiglu")
+    options = dict(routing=routing_with(top_k=2), activation="swiglu")
     with pytest.raises(ValueError, match="no grouped matmul kernel 'cutlass'"):
-        runtime.moe_dropless(*args, kernel="cutlass", **options)
+        dropless(*args, kernel="cutlass", **options)
     with pytest.raises(
         ValueError, match="quantize='int8' runs on XLA's ragged_dot, not the megablox_gmm kernel"
     ):
-        runtime.moe_dropless(*args, kernel="megablox_gmm", quantize="int8", **options)
+        dropless(*args, kernel="megablox_gmm", quantize="int8", **options)
     with pytest.raises(ValueError, match="no expert activation 'relu'"):
-        runtime.moe_dropless(*args, routing=options["routing"], activation="relu")
+        dropless(*args, routing=options["routing"], activation="relu")

@@ -4,10 +4,12 @@ results."""
 import fcntl
 import json
 import os
+import re
 import shutil
 
 import jax
 import numpy as np
+import pytest
 from tests.conftest import (
     CPU_8,
     ROOT,
@@ -39,6 +41,13 @@ def test_loss_falls_and_resume_matches_uninterrupted_run_bit_for_bit(shared_run)
     first, second, last = (losses_in(log) for log in shared_run.logs)
     assert sorted(first) == [1, 2] and sorted(second) == [3, 4] and sorted(last) == list(range(5, 21))
     assert "resumed from step 4" in shared_run.logs[2]
+    # The start line names what its last figure timed: reading a checkpoint, or initialising where none was read.
+    assert re.search(
+        r"initialised from seed \(start-up [\d.]+s, compile [\d.]+s, init [\d.]+s\)", shared_run.logs[0]
+    )
+    assert re.search(
+        r"resumed from step 4 \(start-up [\d.]+s, compile [\d.]+s, restore [\d.]+s\)", shared_run.logs[2]
+    )
     assert checkpoints(shared_run.two_checkpoints) == [2, 4], "saved at each run's end only, none between"
     assert checkpoints(shared_run.resumed) == [2, 4, 20]
 
@@ -62,7 +71,16 @@ def test_a_run_logs_metrics_and_tensorboard_events_and_its_report_draws_them(sha
     assert "eval step 20 | loss" in log and "perplexity" in log and "s left" in log
     last = json.loads((shared_run.uninterrupted / "metrics.jsonl").read_text().splitlines()[-2])
     assert last["step"] == 20 and last["tokens"] == 20 * 16 * 128
-    assert {"loss", "cross_entropy", "grad_norm", "lr", "tokens_per_second", "mfu", "elapsed_s"} <= set(last)
+    assert {"loss", "cross_entropy", "grad_norm", "lr", "tokens_per_second", "elapsed_s"} <= set(last)
+    # 8 fake devices on a host's cores have no published peak: tokens/s, and no MFU, on the line and in the log.
+    assert "mfu" not in last and "mfu" not in log
+    # Each start says what ran and how it began, with the learning rate of every step of its schedule.
+    first = json.loads((shared_run.uninterrupted / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 0 and first["run"]["target"] == "cpu-8" and first["run"]["model"] == "llama-tiny"
+    assert first["run"]["began"] == "initialised from seed"
+    schedule = dict(first["run"]["lr_schedule"])
+    assert sorted(schedule) == list(range(401)), "every step of Train.steps=400"
+    assert schedule[0] == 0.0 and schedule[20] == pytest.approx(3e-3) and schedule[400] == pytest.approx(3e-4)
     assert [p.name.split(".")[0] for p in (shared_run.uninterrupted / "tensorboard").iterdir()] == ["events"]
     run_dir = (
         tmp_path / "run"

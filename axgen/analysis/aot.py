@@ -26,6 +26,7 @@ from axgen.backends.common import GIB
 from axgen.build import build, output_name
 from axgen.analysis.hlo_cost import hlo_cost
 from axgen.loader import load_spec
+from axgen.runtime.kernels import ATTENTION_KERNELS, GROUPED_MATMUL_KERNELS
 from axgen.spec import MeshRule, Remat, display_path
 
 COLLECTIVES = (
@@ -39,9 +40,21 @@ COLLECTIVES = (
 _ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception): .*)$", re.MULTILINE)
 # Whole op names: all-to-all( inside ragged-all-to-all( is not one.
 _COLLECTIVE = re.compile(r"(?<![\w-])(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
-# Kernels the compiler did not write itself: Pallas (tpu_custom_call, mosaic_gpu), cuDNN and cuBLAS.
+# Kernels the compiler did not write itself: those of runtime/kernels.py's table (Pallas: tpu_custom_call,
+# mosaic_gpu; cuDNN), and cuBLAS, which XLA's GPU dots call.
 _CUSTOM_CALL = re.compile(
-    r'custom_call_target="(tpu_custom_call|mosaic_gpu[^"]*|__cudnn[^"]*|__cublas[^"]*)"'
+    'custom_call_target="('
+    + "|".join(
+        sorted(
+            {
+                k.custom_call
+                for k in (*ATTENTION_KERNELS.values(), *GROUPED_MATMUL_KERNELS.values())
+                if k.custom_call
+            }
+            | {'__cublas[^"]*'}
+        )
+    )
+    + ')"'
 )
 
 

@@ -1,9 +1,10 @@
 """`axgen report`: a training run's metrics log drawn as a PNG, and summed up as a plain-text table.
 
-Every emitted program appends one JSON object per line to RUN_DIR/metrics.jsonl: training records (with "loss")
-and evaluation records (with "eval_loss"). A resumed run appends to the same file and logs again the steps after
-its checkpoint, and restarts its clock; so the last record of a step wins, and each drop of "elapsed_s" marks a
-new run segment whose time adds to the total.
+Every emitted program appends one JSON object per line to RUN_DIR/metrics.jsonl: a start record as it starts or
+resumes (with "run": the model, the target, how it began, its learning-rate schedule), training records (with
+"loss") and evaluation records (with "eval_loss"). A resumed run appends to the same file and logs again the steps
+after its checkpoint, and restarts its clock; so the last record of a step wins, and each drop of "elapsed_s"
+marks a new run segment whose time adds to the total.
 """
 
 from __future__ import annotations
@@ -55,8 +56,14 @@ def write_report(run_dir: Path, out: Path | None = None) -> tuple[Path, str]:
     if not train:
         raise ReportError(f'{path}: no training records (no line has a "loss")')
     out = Path(out) if out is not None else Path(run_dir) / REPORT_FILE
-    _save_png(_figure(Path(run_dir).resolve().name, train, evals), out)
+    starts = [r for r in records if "run" in r]
+    title = _title(starts[-1]["run"]) if starts else Path(run_dir).resolve().name  # a log from before 0.8
+    _save_png(_figure(title, train, evals, starts), out)
     return out, _summary_table(train, evals, _segment_seconds(records))
+
+
+def _title(run: dict) -> str:
+    return f"{run.get('model', '?')} on {run.get('target', '?')} ({run.get('devices', '?')} devices)"
 
 
 def _metrics_path(run_dir: Path) -> Path:
@@ -88,6 +95,8 @@ def _parse_line(path: Path, number: int, line: bytes) -> dict:
         raise ReportError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
     if not isinstance(record, dict) or not _is_int(record.get("step")):
         raise ReportError(f'{where}: expected a JSON object with an integer "step"')
+    if "run" in record and not isinstance(record["run"], dict):
+        raise ReportError(f'{where}: "run" must be a JSON object, not {json.dumps(record["run"])[:60]}')
     for field in NUMERIC_FIELDS:
         value = record.get(field)
         if value is not None and not _is_number(value):
@@ -184,15 +193,34 @@ def _duration(seconds: float) -> str:
     return f"{hours}h {minutes:02d}m {secs:02d}s" if hours else f"{minutes}m {secs:02d}s"
 
 
-def _figure(title: str, train: list[dict], evals: list[dict]) -> Figure:
+def _figure(title: str, train: list[dict], evals: list[dict], starts: list[dict] = ()) -> Figure:
+    """Loss, throughput, MFU (where the run logged one: a chip with a published peak) and the learning rate, one
+    panel each over the same steps; each start after the first (a resume) is a dashed line across all of them.
+    """
     # A bare Figure with its own Agg canvas: no pyplot, so no global backend switch and no figure registry.
-    figure = Figure(figsize=(10, 11), layout="constrained")
+    with_mfu = bool(_series(train, "mfu")[0])
+    figure = Figure(figsize=(10, 14 if with_mfu else 11), layout="constrained")
     FigureCanvasAgg(figure)
-    loss_axes, speed_axes, lr_axes = figure.subplots(3, 1, sharex=True)
-    _draw_loss(loss_axes, train, evals)
-    _draw_throughput(speed_axes, train)
-    _draw_learning_rate(lr_axes, train)
-    lr_axes.set_xlabel("step")
+    panels = list(figure.subplots(4 if with_mfu else 3, 1, sharex=True))
+    _draw_loss(panels[0], train, evals)
+    _draw_throughput(panels[1], train)
+    if with_mfu:
+        _draw_mfu(panels[2], train)
+    _draw_learning_rate(panels[-1], train, starts[-1]["run"].get("lr_schedule") if starts else None)
+    for start in starts[1:]:
+        for axes in panels:
+            axes.axvline(start["step"], color="gray", linestyle="--", linewidth=1)
+        panels[0].annotate(
+            f"resumed at {start['step']}",
+            (start["step"], 1),
+            xycoords=("data", "axes fraction"),
+            rotation=90,
+            va="top",
+            ha="right",
+            color="gray",
+            fontsize=8,
+        )
+    panels[-1].set_xlabel("step")
     figure.suptitle(title, fontsize=14)
     return figure
 
@@ -218,24 +246,34 @@ def _draw_throughput(axes: Axes, train: list[dict]) -> None:
     if not steps:
         _say_none_logged(axes, "no throughput logged")
         return
-    lines = axes.plot(steps, speeds, label="tokens/s", color="tab:blue")
-    mfu_steps, mfus = _series(train, "mfu")
-    if mfu_steps:
-        mfu_axes = axes.twinx()
-        lines += mfu_axes.plot(mfu_steps, [100 * m for m in mfus], label="MFU", color="tab:orange")
-        mfu_axes.set_ylabel("MFU (%)")
-    axes.legend(lines, [line.get_label() for line in lines], loc="lower right")
+    axes.plot(steps, speeds, color="tab:blue")
 
 
-def _draw_learning_rate(axes: Axes, train: list[dict]) -> None:
+def _draw_mfu(axes: Axes, train: list[dict]) -> None:
+    axes.set_title("model FLOPs utilisation")
+    axes.set_ylabel("MFU (%)")
+    axes.grid(alpha=0.3)
+    steps, mfus = _series(train, "mfu")
+    axes.plot(steps, [100 * m for m in mfus], color="tab:orange")
+
+
+def _draw_learning_rate(axes: Axes, train: list[dict], schedule: list | None) -> None:
+    """The schedule the run trained with, at every step (from its start record), with the logged rates on it;
+    only the logged rates for a log that has no schedule."""
     axes.set_title("learning rate")
     axes.set_ylabel("lr")
     axes.grid(alpha=0.3)
     steps, rates = _series(train, "lr")
-    if not steps:
+    if schedule:
+        last = max(steps, default=schedule[-1][0])
+        drawn = [(step, rate) for step, rate in schedule if step <= last]
+        axes.plot(*zip(*drawn), color="tab:green", label="schedule")
+    if steps:
+        axes.plot(steps, rates, "o", color="tab:green", markersize=3, label="logged")
+    if not steps and not schedule:
         _say_none_logged(axes, "no learning rate logged")
         return
-    axes.plot(steps, rates, color="tab:green")
+    axes.legend(loc="upper right")
     axes.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
 
 

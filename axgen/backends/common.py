@@ -8,6 +8,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from axgen.ir.types import LOGICAL_AXES
+from axgen.runtime.kernels import ATTENTION_KERNELS
 from axgen.spec import MESH_AXES, MeshRule, Model, Remat, SpecError
 
 GIB = 1024**3
@@ -36,36 +37,6 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, tuple[str, ...]], ...] = tuple(
 )
 
 
-# What each attention kernel implements beyond causal attention: an attention node that needs more than its
-# target's kernel does (an attr set, not None) is lowered to XLA's path, which implements everything.
-KERNEL_OPTIONS: dict[str, frozenset[str]] = {
-    "xla": frozenset({"window", "softcap", "scale", "sinks"}),
-    # Pallas local masks, attn_logits_soft_cap, and the kernel's `sinks` argument (jax 0.12: forward in the
-    # kernel, their gradient beside it).
-    "splash": frozenset({"window", "softcap", "scale", "sinks"}),
-    # cuDNN fused attention has a sliding window and neither a soft-cap nor sinks: jax.nn.dot_product_attention
-    # takes no sinks, and the logsumexp it returns (return_residual) takes no gradient in its cuDNN backward, so
-    # the sinks cannot be folded in after the kernel either.
-    "cudnn": frozenset({"window", "scale"}),
-}
-
-# The kernels that take a value head dim other than the query/key one (DeepSeek's MLA: q/k 192, v 128). Splash's
-# forward and backward kernels size q/k and v blocks apart (head_dim_qk, head_dim_v); jax.nn.dot_product_attention,
-# which the XLA and cuDNN paths call, requires value's head dim to equal key's, so the lowering pads v for them.
-TAKES_V_HEAD_DIM: frozenset[str] = frozenset({"splash"})
-
-# How each kernel is told where the documents of a packed sequence end: splash takes segment ids and masks by them
-# inside the kernel; jax.nn.dot_product_attention (XLA, and cuDNN through it) takes a dense [batch, 1, seq, seq]
-# mask, which cuDNN applies as a bias.
-DOCUMENT_MASKS: dict[str, str] = {
-    "xla": "dense",
-    "xla_softcap": "dense",
-    "xla_sinks": "dense",
-    "splash": "segment_ids",
-    "cudnn": "dense",
-}
-
-
 @dataclass(frozen=True)
 class Chip:
     """Published per-device facts; `axgen plan` estimates a step's time from the rates."""
@@ -81,19 +52,21 @@ class Chip:
     # Devices that are one host's cores (fake CPU devices) share its memory: hbm_bytes is the host's, split among
     # the devices on it.
     shares_host_memory: bool = field(default=False, kw_only=True)
+    # False where peak_bf16_flops is an estimate for plans (a host's core), not a chip's published rate: a run
+    # there shows tokens/s and no MFU.
+    published_peak: bool = field(default=True, kw_only=True)
 
 
 @dataclass(frozen=True)
 class GroupedMatmul:
-    """A chip's kernel for the MoE experts' grouped matmuls, and its tiles for expert widths (embed, mlp per
-    device), or the reason it cannot run them."""
+    """A chip's kernel for the MoE experts' grouped matmuls (a name in runtime/kernels.py's table, which says what
+    it takes), and its tiles for expert widths (embed, mlp per device), or the reason it cannot run them."""
 
     kernel: str
     tiles: Callable[[int, int], dict[str, int] | str]
-    # Quantized experts: why the kernel takes no int8 or fp8 operands (they then take XLA's ragged_dot), and whether
-    # the chip's XLA multiplies every row by each expert a device holds (a masked dense dot, as XLA's GPU compiler
-    # rewrites ragged_dot): then the experts stay on the kernel in bf16 unless a device holds one expert.
-    unquantized_why: str = ""
+    # Quantized experts the kernel does not take: whether the chip's XLA multiplies every row by each expert a
+    # device holds (a masked dense dot, as XLA's GPU compiler rewrites ragged_dot): then the experts stay on the
+    # kernel in bf16 unless a device holds one expert.
     ragged_dot_dense: bool = False
 
 
@@ -283,8 +256,9 @@ def _mesh_shape(rule: MeshRule, num_devices: int, slices: int, target: str) -> t
 
 
 def _attention_block(rule: MeshRule, attention: str, spec: Model) -> int | None:
-    """Splash attention's block length: the rule's, else the largest of 128, 256, 512 that divides seq_len."""
-    if attention != "splash":
+    """A blocked kernel's (splash attention's) block length: the rule's, else the largest of 128, 256, 512 that
+    divides seq_len."""
+    if not ATTENTION_KERNELS[attention].blocked:
         return None
     return rule.attention_block or math.gcd(spec.train.seq_len, 512)
 

@@ -19,6 +19,7 @@ FAMILY = Family(
         hbm_bytes=24 * GIB,
         devices_per_host=1024,
         capabilities=frozenset({"int8"}),
+        published_peak=False,  # peak_bf16_flops is an estimate for plans, not a rate anyone published
         # Fake devices share the host's memory: one core's share of a server's DRAM bandwidth, and copies.
         hbm_bandwidth=20e9,
         link_bandwidth=10e9,

@@ -123,17 +123,11 @@ FAMILY = Family(
     # Hopper's fp8 tensor cores run at twice the bf16 rate, and fp8 keeps more range than int8 for activations.
     quantize_dtype="fp8",
     topology=topology,
-    # ragged_dot_mgpu returns its operands' dtype from an f32 accumulator (int8 fails to lower; e4m3 fails on
-    # "Only f16 WGMMA supports transposes", compiled deviceless for gpu-h100-8), and XLA's GPU compiler rewrites
-    # ragged_dot to a dense dot over every expert a device holds, rows masked. Measured on an H200 (jax 0.11.2,
-    # 8192 rows, 4096 -> 14336, bench/quantized_experts.py): with 8 experts, fp8 by ragged_dot 9.41 ms forward
-    # against the kernel's 1.80 in bf16; with one, 1.51 against 2.45.
-    grouped_matmul=GroupedMatmul(
-        "mosaic_gpu",
-        grouped_matmul_tiles,
-        unquantized_why="ragged_dot_mgpu takes no int8 or fp8 operands",
-        ragged_dot_dense=True,
-    ),
+    # What the kernel takes is its entry in runtime/kernels.py (no int8 or fp8). XLA's GPU compiler rewrites ragged_dot
+    # to a dense dot over every expert a device holds, rows masked. Measured on an H200 (jax 0.11.2, 8192 rows,
+    # 4096 -> 14336, bench/quantized_experts.py): with 8 experts, fp8 by ragged_dot 9.41 ms forward against the
+    # kernel's 1.80 in bf16; with one, 1.51 against 2.45.
+    grouped_matmul=GroupedMatmul("mosaic_gpu", grouped_matmul_tiles, ragged_dot_dense=True),
     # XLA lowers jax.lax.ragged_all_to_all here: each token copy travels to its expert's device alone, with no
     # padding to a per-destination capacity.
     moe_all_to_all="ragged_all_to_all",

@@ -12,9 +12,16 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from axgen.backends.common import DOCUMENT_MASKS, KERNEL_OPTIONS, TAKES_V_HEAD_DIM, Plan
+from axgen.backends.common import Plan
 from axgen.ir import Graph, GraphError, Node, ScanCall, cost
 from axgen.ir.ops import ScanAttrs
+from axgen.runtime.kernels import (
+    ATTENTION_FALLBACKS,
+    AttentionKernel,
+    ATTENTION_KERNELS,
+    ATTENTION_OPTIONS,
+    GROUPED_MATMUL_KERNELS,
+)
 from axgen.spec import REMAT_POLICIES
 
 # Activations whose sharding the program pins: the residual stream at each layer boundary and the logits. XLA
@@ -33,7 +40,7 @@ def target(g: Graph, plan: Plan) -> None:
     g.attrs["num_hosts"] = plan.num_hosts
     g.attrs["compute_dtype"] = plan.compute_dtype
     g.attrs["chip"] = plan.chip.name
-    g.attrs["peak_flops_per_device"] = plan.chip.peak_bf16_flops
+    g.attrs["peak_flops_per_device"] = plan.chip.peak_bf16_flops if plan.chip.published_peak else None
     g.attrs["compiler_flags"] = {plan.flags_variable: plan.xla_flags}
     g.attrs["memory_fraction"] = plan.memory_fraction
 
@@ -59,36 +66,45 @@ def shard(g: Graph, plan: Plan) -> None:
 
 
 def attention_kernel(g: Graph, plan: Plan) -> None:
-    """The target's kernel, or XLA's path for an attention that needs what the kernel lacks (a soft-cap or sinks
-    take plain XLA ops: jax.nn.dot_product_attention has neither), and how that kernel keeps each query inside its
-    document. The splash kernel's block length is the program's SPLASH_BLOCK. Where v's head dim differs from
-    q/k's and the kernel takes one head dim (cuDNN, and XLA's paths), `pad_v`: v is zero-padded to q/k's head dim
-    and the output sliced back, which is exact and costs the padded channels' flops; splash takes both head dims
-    as they are."""
+    """Each attention's kernel: the target's, else the first XLA path that takes what the node needs (a soft-cap or
+    sinks take plain XLA ops where the kernel lacks them), with why (`kernel_why`), all by runtime/kernels.py's
+    table. From the same entry, which the runtime runs by: the splash kernel's block length (the program's
+    SPLASH_BLOCK), how the kernel keeps each query inside its document (`document_mask`), and, where v's head
+    dim differs from q/k's (`v_head_dim`) and the kernel takes one head dim, `pad_v`: v is zero-padded to q/k's
+    head dim and the output sliced back, which is exact and costs the padded channels' flops."""
     for node in g.nodes(op="attention"):
-        needs = {name for name in KERNEL_OPTIONS["xla"] if getattr(node.attrs, name) not in (None, False)}
-        kernel = plan.attention if needs <= KERNEL_OPTIONS[plan.attention] else "xla"
-        if kernel == "xla" and node.attrs.softcap is not None and node.attrs.sinks:
-            raise GraphError(f"{node}: XLA's paths take a soft-cap or sinks, not both")
-        if kernel == "xla" and node.attrs.softcap is not None:
-            kernel = "xla_softcap"
-        if kernel == "xla" and node.attrs.sinks:
-            kernel = "xla_sinks"
-        block = plan.attention_block if kernel == "splash" else None
+        kernel = ATTENTION_KERNELS[plan.attention]
+        why = kernel.refuses(_needs(node), plan.compute_dtype)
+        if why is not None:
+            kernel = _attention_fallback(node, plan)
         ins = g.inputs(node)
         v_dim, qk_dim = ins["v"].type.size("head_dim"), ins["q"].type.size("head_dim")
         v_head_dim = v_dim if v_dim != qk_dim else None
-        pad_v = v_head_dim is not None and kernel not in TAKES_V_HEAD_DIM
         g.update(
             node,
-            kernel=kernel,
-            block=block,
-            document_mask=DOCUMENT_MASKS[kernel],
+            kernel=kernel.name,
+            kernel_why=why,
+            block=plan.attention_block if kernel.blocked else None,
+            document_mask=kernel.document_mask,
             v_head_dim=v_head_dim,
-            pad_v=pad_v,
+            pad_v=v_head_dim is not None and not kernel.v_head_dim,
         )
     blocks = {n.attrs.block for n in g.nodes(op="attention") if n.attrs.block}
     g.attrs["splash_block"] = _one(blocks, "splash block lengths")
+
+
+def _needs(node: Node) -> frozenset[str]:
+    """The options an attention node needs of its kernel."""
+    return frozenset(name for name in ATTENTION_OPTIONS if getattr(node.attrs, name) not in (None, False))
+
+
+def _attention_fallback(node: Node, plan: Plan) -> AttentionKernel:
+    """The first XLA path that takes what the node needs."""
+    return next(
+        ATTENTION_KERNELS[name]
+        for name in ATTENTION_FALLBACKS
+        if ATTENTION_KERNELS[name].refuses(_needs(node), plan.compute_dtype) is None
+    )
 
 
 def dot_kind(g: Graph, plan: Plan) -> None:
@@ -101,50 +117,52 @@ def dot_kind(g: Graph, plan: Plan) -> None:
 def grouped_matmul(g: Graph, plan: Plan) -> None:
     """How each dropless MoE multiplies its experts' groups of rows: the chip's kernel, with tiles for the widths
     one device holds, else XLA's ragged_dot (with the reason, where the chip has a kernel that cannot run them).
-    Quantized experts (`quantize`) take XLA's ragged_dot on int8 or fp8 operands, as no chip's kernel takes them;
-    where the chip's XLA multiplies each row by every expert a device holds (GPU), they stay on the kernel in bf16
-    (`quantize_why`) unless a device holds one expert or the kernel cannot tile the widths anyway.
+    Quantized experts (`quantize`) take XLA's ragged_dot on int8 or fp8 operands where the kernel's entry in
+    runtime/kernels.py takes neither; where the chip's XLA multiplies each row by every expert a device holds
+    (GPU), they stay on the kernel in bf16 (`quantize_why`) unless a device holds one expert or the kernel cannot
+    tile the widths anyway.
     """
     if plan.grouped_matmul is None:
         return
     rules, mesh = dict(plan.logical_axis_rules), dict(plan.mesh)
-    kernel = plan.grouped_matmul
+    chip = plan.grouped_matmul
+    kernel = GROUPED_MATMUL_KERNELS[chip.kernel]
     for node in g.nodes(op="moe"):
         if node.attrs.capacity_factor:
             continue
         w_up = node.params["w_up"].type
         mlp_shards = math.prod(mesh[a] for a in rules["mlp"] if a not in rules["expert"])
-        tiles = kernel.tiles(w_up.size("embed"), w_up.size("mlp") // mlp_shards)
+        tiles = chip.tiles(w_up.size("embed"), w_up.size("mlp") // mlp_shards)
         if isinstance(tiles, str):
-            g.update(node, grouped_matmul="ragged_dot", grouped_matmul_why=f"{kernel.kernel}: {tiles}")
+            g.update(node, grouped_matmul="ragged_dot", grouped_matmul_why=f"{kernel.name}: {tiles}")
             continue
-        if node.attrs.quantize:
+        if plan.compute_dtype not in kernel.dtypes:
+            why = f"{kernel.name}: it takes {' or '.join(sorted(kernel.dtypes))}, not {plan.compute_dtype}"
+            g.update(node, grouped_matmul="ragged_dot", grouped_matmul_why=why)
+            continue
+        if node.attrs.quantize and node.attrs.quantize not in kernel.dtypes:
             experts_here = w_up.size("expert") // math.prod(mesh[a] for a in rules["expert"])
-            if not (kernel.ragged_dot_dense and experts_here > 1):
+            if not (chip.ragged_dot_dense and experts_here > 1):
                 g.update(
                     node,
                     grouped_matmul="ragged_dot",
-                    grouped_matmul_why=(
-                        f"{kernel.kernel}: {kernel.unquantized_why}, and these experts are {node.attrs.quantize}"
-                    ),
+                    grouped_matmul_why=f"{kernel.name}: {kernel.why}, and these experts are {node.attrs.quantize}",
                 )
                 continue
             g.update(
                 node,
                 quantize=None,
                 quantize_why=(
-                    f"{kernel.unquantized_why}, and XLA's ragged_dot here multiplies each row by all {experts_here} "
-                    "experts a device holds"
+                    f"{kernel.why}, and XLA's ragged_dot here multiplies each row by all {experts_here} experts a "
+                    "device holds"
                 ),
             )
-        # megablox's outputs name no mesh axes they vary over, which shard_map's check refuses; unchecked, values
-        # and gradients are the same (JEP 17111).
         g.update(
             node,
-            grouped_matmul=kernel.kernel,
+            grouped_matmul=kernel.name,
             tiles=tuple(tiles.items()),
             tiles_source=f"{plan.backend_file}: grouped_matmul_tiles",
-            check_vma=kernel.kernel != "megablox_gmm",
+            check_vma=kernel.names_varying_axes,
         )
 
 
@@ -264,16 +282,23 @@ def aux_losses(g: Graph, plan: Plan) -> None:
 
 
 def kernel_switches(g: Graph, plan: Plan) -> None:
-    """The value of each test switch (ATTENTION_IMPL, GROUPED_MATMUL_IMPL) the program prints: the chip kernel
-    its nodes run, which AXGEN_XLA_KERNELS=1 swaps for the XLA path so the program runs on CPU. Plain XLA paths
-    (`xla`, `xla_softcap`, `xla_sinks`, `ragged_dot`) read no switch."""
-    attention = {n.attrs.kernel for n in g.nodes(op="attention")} - {"xla_softcap", "xla_sinks"}
-    matmuls = {n.attrs.grouped_matmul for n in g.nodes(op="moe") if not n.attrs.capacity_factor} - {
-        "ragged_dot"
-    }
+    """The value of each kernel constant the program prints (ATTENTION_IMPL, GROUPED_MATMUL_IMPL): the target's
+    kernel its nodes run, and, for a kernel that needs its chip, the XLA path that AXGEN_XLA_KERNELS=1 swaps in so
+    the program runs on CPU (`*_stand_in`, by runtime/kernels.py: the attention fallback that takes what the
+    nodes need, the grouped matmul's `stand_in`). Nodes on a path of their own (`kernel_why`, ragged_dot for a
+    `grouped_matmul_why`) name it in their call and read no constant."""
+    on_target = [n for n in g.nodes(op="attention") if n.attrs.kernel_why is None]
+    g.attrs["attention_kernel"] = _one({n.attrs.kernel for n in on_target}, "attention kernels")
+    chip_only = [n for n in on_target if ATTENTION_KERNELS[n.attrs.kernel].chip_only]
+    g.attrs["attention_stand_in"] = _one(
+        {_attention_fallback(n, plan).name for n in chip_only}, "attention paths standing in for the kernel"
+    )
+    matmuls = {n.attrs.grouped_matmul for n in g.nodes(op="moe") if n.attrs.tiles}
     tiles = {(n.attrs.tiles, n.attrs.tiles_source) for n in g.nodes(op="moe") if n.attrs.tiles}
-    g.attrs["attention_kernel"] = _one(attention, "attention kernels")
     g.attrs["grouped_matmul"] = _one(matmuls, "grouped matmul kernels")
+    g.attrs["grouped_matmul_stand_in"] = _one(
+        {GROUPED_MATMUL_KERNELS[m].stand_in for m in matmuls}, "grouped matmuls standing in for the kernel"
+    )
     g.attrs["grouped_matmul_tiles"] = _one(tiles, "grouped matmul tiles (experts of different widths)")
 
 

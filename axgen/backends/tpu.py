@@ -151,14 +151,10 @@ def family(generation: str) -> Family:
         remat=REMAT[generation],
         topology=functools.partial(topology, generation),
         topology_wrap=topology_wrap,
-        # megablox.gmm refuses int8 and fp8 operands (common.assert_is_supported_dtype); XLA's TPU ragged_dot is a
-        # grouped matmul kernel of its own that takes int8 with int32 accumulation (compiled deviceless for
-        # tpu-v5p-8; v5p and v5e have no fp8 units, so it converts fp8 operands to bf16 first).
-        grouped_matmul=GroupedMatmul(
-            "megablox_gmm",
-            grouped_matmul_tiles,
-            unquantized_why="megablox.gmm takes bfloat16 or float32 operands only",
-        ),
+        # megablox.gmm takes no int8 or fp8 operands (runtime/kernels.py); XLA's TPU ragged_dot is a grouped matmul
+        # kernel of its own that takes int8 with int32 accumulation (compiled deviceless for tpu-v5p-8; v5p and v5e
+        # have no fp8 units, so it converts fp8 operands to bf16 first).
+        grouped_matmul=GroupedMatmul("megablox_gmm", grouped_matmul_tiles),
         # XLA lowers jax.lax.ragged_all_to_all here: each token copy travels to its expert's device alone, with no
         # padding to a per-destination capacity.
         moe_all_to_all="ragged_all_to_all",

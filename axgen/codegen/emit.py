@@ -154,8 +154,11 @@ def _by_template(env, nodes: list[Node]) -> list[tuple]:
 
 
 def _helpers(env, nodes: list[Node], program: dict) -> list[str]:
-    """Each op template's helper functions, given the nodes it prints and the program's attrs, in template order."""
-    helpers = [module.helpers(ops, program) for module, ops in _by_template(env, nodes)]
+    """The helper functions and constants the op templates' optional `helpers` macros print, given the nodes each
+    template prints and the program's attrs, in template order."""
+    helpers = [
+        module.helpers(ops, program) for module, ops in _by_template(env, nodes) if hasattr(module, "helpers")
+    ]
     return [h.strip("\n") + "\n\n" for h in helpers if h.strip()]
 
 

@@ -82,11 +82,12 @@ class AttentionAttrs(Attrs):
     `window`: a query sees only the last `window` positions, itself included; `softcap`: scores pass through
     softcap * tanh(score / softcap) before the softmax; `scale` multiplies the scores, where it is not
     head_dim**-0.5; `sinks`: the `sinks` param, a learned logit per query head, joins each query's softmax and
-    takes a share of the probability mass without a value. `kernel`, `block`, `document_mask`, `v_head_dim` and
-    `pad_v` are the lowering's: which implementation runs it, its block length, how the kernel is told where
-    documents end, v's head dim where it differs from q/k's, and whether v is then zero-padded to q/k's head dim
-    for a kernel that takes one head dim and the output's padding sliced off: zero value channels add zero output
-    channels, so the result is exact."""
+    takes a share of the probability mass without a value. `kernel`, `kernel_why`, `block`, `document_mask`,
+    `v_head_dim` and `pad_v` are the lowering's, read off the kernel's entry in runtime/kernels.py, which the
+    runtime runs by: which kernel runs it (and why not the target's, where it is another), its block length, how
+    the kernel is told where documents end, v's head dim where it differs from q/k's, and whether v is then
+    zero-padded to q/k's head dim for a kernel that takes one head dim and the output's padding sliced off: zero
+    value channels add zero output channels, so the result is exact."""
 
     causal: bool = True
     window: int | None = None
@@ -94,6 +95,7 @@ class AttentionAttrs(Attrs):
     scale: float | None = None
     sinks: bool = False
     kernel: str | None = None
+    kernel_why: str | None = None
     block: int | None = None
     document_mask: str | None = None
     v_head_dim: int | None = None

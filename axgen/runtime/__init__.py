@@ -1,7 +1,8 @@
 """What every emitted program runs on, tested once: the dataset reader, checkpoints with checksums, fault
 handling, metrics, flags and the main loop (`run.main`), and the few helpers programs call (params, sharding,
-gradients, rotary embedding, attention by each kernel, the cross-entropy, the routed experts: routing, the
-dropless and capacity paths, their grouped matmuls). A program holds what its spec and target decide and hands
+gradients, rotary embedding, attention by each kernel, quantized dots, the cross-entropy, the routed experts:
+routing, the dropless and capacity paths, their grouped matmuls). What each kernel takes is runtime/kernels.py's
+table, which the compiler's lowering reads too. A program holds what its spec and target decide and hands
 it to `main`.
 
 This package imports jax, optax, orbax, numpy and tensorboardX, and nothing of the compiler: a training host
@@ -9,22 +10,49 @@ needs axgen installed (`pip install --no-deps axgen` beside its own jax works) b
 dependencies.
 """
 
-from axgen.runtime.attention import causal_attention, soft_cap
-from axgen.runtime.losses import cross_entropy, lm_head_cross_entropy, trained_targets
-from axgen.runtime.moe import Routing, expert_mlp, grouped_matmul, moe_dropless, moe_with_capacity, route
-from axgen.runtime.params import ParamSpec, init_params
-from axgen.runtime.quantized_experts import fp8_ragged_dot, int8_ragged_dot
-from axgen.runtime.rope import rope, rope_frequencies
-from axgen.runtime.run import main
-from axgen.runtime.sharding import (
-    constrain,
-    logical_to_mesh,
-    param_shardings,
-    shards,
-    varying_axes,
-    varying_over,
-)
-from axgen.runtime.training import apply_gradients, gradients, summed_over_microbatches
+import importlib
+
+# Each name is imported from its module when a program first reads it (PEP 562), so the compiler can read
+# runtime/kernels.py's table without importing jax.
+_HOMES = {
+    "ParamSpec": "params",
+    "Routing": "moe",
+    "apply_gradients": "training",
+    "causal_attention": "attention",
+    "constrain": "sharding",
+    "cross_entropy": "losses",
+    "expert_mlp": "moe",
+    "fp8_delayed_einsum": "quantize",
+    "fp8_einsum": "quantize",
+    "fp8_ragged_dot": "quantized_experts",
+    "gradients": "training",
+    "grouped_matmul": "moe",
+    "init_params": "params",
+    "int8_einsum": "quantize",
+    "int8_ragged_dot": "quantized_experts",
+    "lm_head_cross_entropy": "losses",
+    "logical_to_mesh": "sharding",
+    "main": "run",
+    "moe_dropless": "moe",
+    "moe_with_capacity": "moe",
+    "param_shardings": "sharding",
+    "rope": "rotary",
+    "rope_frequencies": "rotary",
+    "route": "moe",
+    "shards": "sharding",
+    "soft_cap": "attention",
+    "summed_over_microbatches": "training",
+    "trained_targets": "losses",
+    "varying_axes": "sharding",
+    "varying_over": "sharding",
+}
+
+
+def __getattr__(name):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+
 
 __all__ = [
     "ParamSpec",
@@ -34,10 +62,13 @@ __all__ = [
     "constrain",
     "cross_entropy",
     "expert_mlp",
+    "fp8_delayed_einsum",
+    "fp8_einsum",
     "fp8_ragged_dot",
     "gradients",
     "grouped_matmul",
     "init_params",
+    "int8_einsum",
     "int8_ragged_dot",
     "lm_head_cross_entropy",
     "logical_to_mesh",

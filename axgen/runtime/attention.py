@@ -1,6 +1,7 @@
 """Causal attention in a packed sequence, by the kernel the lowering chose for each attention node: the Pallas splash
-kernel (TPU), cuDNN's fused attention (H100) or plain XLA ops (every chip; the only path for a soft-cap or sinks
-where the kernel lacks them). A program passes each node's kernel and options; everything here is shared.
+kernel (TPU), cuDNN's fused attention (H100), jax.nn.dot_product_attention's XLA path, or plain XLA ops (every chip;
+the only path for a soft-cap or sinks where the kernel lacks them). What each takes is its entry in
+runtime/kernels.py. A program passes each node's kernel and every option; everything here is shared.
 
 Shapes: q [batch, seq, heads, head_dim], k [batch, seq, kv_heads, head_dim], v [batch, seq, kv_heads, v_head_dim]
 (v_head_dim may differ from q/k's, as DeepSeek's MLA has it), segment_ids [batch, seq] (which document each
@@ -16,48 +17,50 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from axgen.runtime.kernels import ATTENTION_KERNELS
 from axgen.runtime.sharding import logical_to_mesh, shards
 
 
 def causal_attention(
-    q,
-    k,
-    v,
-    segment_ids,
-    *,
-    implementation,
-    window=None,
-    softcap=None,
-    scale=None,
-    sinks=None,
-    rules=None,
-    **splash_options,
+    q, k, v, segment_ids, *, implementation, block, rules, window, softcap, scale, sinks, interpret=False
 ):
-    """Causal attention by `implementation`: "splash" (then `block` and `rules`, the program's SPLASH_BLOCK and
-    LOGICAL_AXIS_RULES, are needed), "cudnn" (then `rules`) or "xla". With a `window`, each query sees only the
-    last `window` positions, itself included; a `softcap` squashes each score to softcap * tanh(score / softcap)
-    before the softmax; `sinks` [heads] is a learned logit per head that joins every query's softmax without a
-    value (gpt-oss); the scores are q.k * `scale` (None: head_dim**-0.5)."""
+    """Causal attention by the kernel `implementation` names in runtime/kernels.py's ATTENTION_KERNELS, which the
+    program's lowering chose: "xla" (jax.nn.dot_product_attention), "xla_ops" (plain XLA ops), "splash" (Pallas,
+    in blocks of `block`) or "cudnn". `rules` (the program's LOGICAL_AXIS_RULES) split the chip kernels' work over
+    the devices. With a `window`, each query sees only the last `window` positions, itself included; a `softcap`
+    squashes each score to softcap * tanh(score / softcap) before the softmax; `sinks` [heads] is a learned logit
+    per head that joins every query's softmax without a value (gpt-oss); the scores are q.k * `scale` (None:
+    head_dim**-0.5). Each is None where the node has none. A kernel whose entry takes one head dim gets v
+    zero-padded to q/k's, its output sliced back. `interpret=True` (tests) runs splash in its interpreter, on
+    CPU."""
+    kernel = ATTENTION_KERNELS[implementation]
+    options = {"window": window, "softcap": softcap, "scale": scale, "sinks": sinks}
+    refused = kernel.refuses(frozenset(n for n, value in options.items() if value is not None), q.dtype.name)
+    if refused:
+        raise ValueError(f"attention by {implementation}: {refused}")
+    if not kernel.v_head_dim and v.shape[-1] != q.shape[-1]:
+        padded = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - v.shape[-1])))
+        return _by_kernel(q, k, padded, segment_ids, implementation, block, rules, interpret, options)[
+            ..., : v.shape[-1]
+        ]
+    return _by_kernel(q, k, v, segment_ids, implementation, block, rules, interpret, options)
+
+
+def _by_kernel(q, k, v, segment_ids, implementation, block, rules, interpret, options):
     if implementation == "splash":
         return splash_attention(
-            q, k, v, segment_ids, window=window, softcap=softcap, scale=scale, sinks=sinks, rules=rules,
-            **splash_options,
-        )  # fmt: skip
-    if v.shape[-1] != q.shape[-1]:  # these paths take one head dim: v padded with zero channels, sliced back
-        padded = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - v.shape[-1])))
-        out = causal_attention(
-            q, k, padded, segment_ids, implementation=implementation, window=window, softcap=softcap, scale=scale,
-            sinks=sinks, rules=rules, **splash_options,
-        )  # fmt: skip
-        return out[..., : v.shape[-1]]
-    if softcap is not None or sinks is not None:
-        if implementation != "xla":
-            raise ValueError(
-                f"{implementation} attention takes neither a soft-cap nor sinks; the XLA path does"
-            )
-        return _attention_in_xla_ops(
-            q, k, v, segment_ids, window=window, softcap=softcap, scale=scale, sinks=sinks
+            q, k, v, segment_ids, block=block, rules=rules, interpret=interpret, **options
         )
+    if implementation == "xla_ops":
+        return attention_in_xla_ops(q, k, v, segment_ids, **options)
+    window, scale = options["window"], options["scale"]
+    return _dot_product_attention(
+        q, k, v, segment_ids, implementation, rules=rules, window=window, scale=scale
+    )
+
+
+def _dot_product_attention(q, k, v, segment_ids, implementation, *, rules, window, scale):
+    """jax.nn.dot_product_attention by its `implementation`, "xla" or "cudnn", with a dense document mask."""
     attend = functools.partial(
         jax.nn.dot_product_attention,
         is_causal=True,
@@ -92,8 +95,9 @@ def soft_cap(x, cap):
     return cap * jnp.tanh(x / cap)
 
 
-def _attention_in_xla_ops(q, k, v, segment_ids, *, window, softcap, scale, sinks):
-    """The soft-capped or sunk attention in plain XLA ops: jax.nn.dot_product_attention takes neither."""
+def attention_in_xla_ops(q, k, v, segment_ids, *, window, softcap, scale, sinks):
+    """Attention in plain XLA ops, every option included: the soft-capped or sunk attention that
+    jax.nn.dot_product_attention cannot run."""
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     grouped = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
@@ -115,9 +119,7 @@ def _attention_in_xla_ops(q, k, v, segment_ids, *, window, softcap, scale, sinks
     return out.reshape(batch, seq, heads, v.shape[-1])
 
 
-def splash_attention(
-    q, k, v, segment_ids, *, block, rules, window=None, softcap=None, scale=None, sinks=None, interpret=False
-):
+def splash_attention(q, k, v, segment_ids, *, block, rules, window, softcap, scale, sinks, interpret):
     """The Pallas splash kernel, which skips the blocks the causal mask (and a window) hides, masks across documents
     by the segment ids and groups query heads over kv heads itself; q/k and v may have different head dims. Each
     device runs it on its own batch rows and heads, split as `rules` split the activations. `block`: the query and

@@ -6,6 +6,7 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 import tensorboardX
 
 
@@ -25,18 +26,40 @@ class MetricsLog:
             self.jsonl.close()
             self.tensorboard.close()
 
+    def start(self, step, **run):
+        """One record as a run starts or resumes (`{"step": N, "run": {...}}`): what ran and how it began, and
+        its learning-rate schedule, so a report draws the rate at every step, not only at the logged ones."""
+        if jax.process_index() == 0:
+            self._append({"step": step, "run": run})
+
     def write(self, step, **values):
         if jax.process_index() != 0:
             return
-        if self.jsonl is None:
-            self.jsonl = open(os.path.join(self.run_dir, "metrics.jsonl"), "a")
-            self.tensorboard = tensorboardX.SummaryWriter(os.path.join(self.run_dir, "tensorboard"))
         record = {"step": step, **{name: value for name, value in values.items() if value is not None}}
-        self.jsonl.write(json.dumps(record) + "\n")
-        self.jsonl.flush()
+        self._append(record)
         for name, value in record.items():
             if name != "step":
                 self.tensorboard.add_scalar(name, value, step)
+
+    def _append(self, record):
+        if self.jsonl is None:
+            self.jsonl = open(os.path.join(self.run_dir, "metrics.jsonl"), "a")
+            self.tensorboard = tensorboardX.SummaryWriter(os.path.join(self.run_dir, "tensorboard"))
+        self.jsonl.write(json.dumps(record) + "\n")
+        self.jsonl.flush()
+
+
+# Points of the learning-rate schedule a run's start record holds: every step up to this many, else evenly spaced
+# ones with the end of warmup among them.
+SCHEDULE_POINTS = 1000
+
+
+def schedule_points(learning_rate, steps, warmup_steps):
+    """[[step, rate], ...] of the schedule over the run's steps (the rate a step trains with is at its index)."""
+    stride = max(1, steps // SCHEDULE_POINTS)
+    points = sorted({*range(0, steps + 1, stride), min(warmup_steps, steps), steps})
+    rates = jax.device_get(learning_rate(jnp.asarray(points)))
+    return [[step, float(rate)] for step, rate in zip(points, rates)]
 
 
 class Progress:
@@ -60,10 +83,18 @@ class Progress:
         else:
             seconds_per_step = (now - self.last_time) / (step - self.last_step)
             tokens_per_second = self.tokens_per_step / seconds_per_step
-            mfu = tokens_per_second * self.flops_per_token / (jax.device_count() * self.peak_flops_per_device)
             left = (self.end - step) * seconds_per_step
-            throughput = f"tokens/s {tokens_per_second:.0f} | mfu {mfu:.2%} | {left:.0f}s left"
-            speed = {"tokens_per_second": tokens_per_second, "mfu": mfu}
+            throughput, speed = f"tokens/s {tokens_per_second:.0f}", {"tokens_per_second": tokens_per_second}
+            if (
+                self.peak_flops_per_device is not None
+            ):  # None: no chip's published peak (a CPU) to measure against
+                mfu = (
+                    tokens_per_second
+                    * self.flops_per_token
+                    / (jax.device_count() * self.peak_flops_per_device)
+                )
+                throughput, speed["mfu"] = f"{throughput} | mfu {mfu:.2%}", mfu
+            throughput += f" | {left:.0f}s left"
         self.last_time, self.last_step = now, step
         print(
             f"step {step} | loss {metrics['loss']:.4f} | grad_norm {metrics['grad_norm']:.3f}"

@@ -20,6 +20,7 @@ from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_d
 from jax.experimental.pallas.ops.tpu import megablox
 from jax.sharding import PartitionSpec as P
 
+from axgen.runtime.kernels import GROUPED_MATMUL_KERNELS
 from axgen.runtime.quantized_experts import fp8_ragged_dot, int8_ragged_dot
 from axgen.runtime.sharding import logical_to_mesh, varying_axes, varying_over
 
@@ -33,16 +34,17 @@ class Routing:
     `routed_scale`: what the weights are multiplied by (DeepSeek's routed_scaling_factor). With `n_group`, a token
     chooses among the experts of its best `topk_group` of `n_group` equal groups, a group ranked by `group_score`:
     "top2_sum" (the sum of its two highest scores, DeepSeek-V3's noaux_tc) or "max" (its highest, DeepSeek-V2's
-    group_limited_greedy). `seq_balance_loss`: route also returns DeepSeek-V3's sequence-wise balance loss."""
+    group_limited_greedy). `seq_balance_loss`: route also returns DeepSeek-V3's sequence-wise balance loss. Every
+    field is stated: a program prints them all."""
 
     top_k: int
-    scoring: str = "softmax"
-    renormalize: bool = True
-    routed_scale: float | None = None
-    n_group: int | None = None
-    topk_group: int | None = None
-    group_score: str | None = None
-    seq_balance_loss: bool = False
+    scoring: str
+    renormalize: bool
+    routed_scale: float | None
+    n_group: int | None
+    topk_group: int | None
+    group_score: str | None
+    seq_balance_loss: bool
 
 
 def in_top_groups(choice, routing: Routing):
@@ -159,11 +161,11 @@ def expert_mlp(gate, up, *, activation, swiglu_limit=None, swiglu_alpha=None):
     raise ValueError(f"no expert activation {activation!r}: swiglu, clamped_swiglu, geglu or gelu")
 
 
-def grouped_matmul(rows, weights, group_sizes, *, kernel="ragged_dot", tiles=None):
+def grouped_matmul(rows, weights, group_sizes, *, kernel, tiles):
     """rows [rows, in] x weights [experts, in, out] -> [rows, out]: each expert's contiguous group of rows times its
     own weights, as jax.lax.ragged_dot computes it, by `kernel`: "ragged_dot" (XLA's), "mosaic_gpu" (jax's Mosaic
     GPU kernel, 4-6x ragged_dot's speed on H100) or "megablox_gmm" (TPU; its own gradient runs tgmm for the
-    weights), the kernels with the `tiles` the backend chose. Rows after the last group give zeros (and, by the
+    weights), the kernels with the `tiles` the backend chose (None for ragged_dot). Rows after the last group give zeros (and, by the
     kernels, take no gradient: they leave them unwritten)."""
     if kernel == "ragged_dot":
         return jax.lax.ragged_dot(rows, weights, group_sizes)
@@ -263,7 +265,7 @@ def _named(product, checkpoint_names, which):
 def _experts(activation, swiglu_limit, swiglu_alpha, checkpoint_names, kernel, tiles, quantize):
     if quantize is None:
         matmul = functools.partial(grouped_matmul, kernel=kernel, tiles=tiles)
-    elif kernel == "ragged_dot":
+    elif kernel in GROUPED_MATMUL_KERNELS and quantize in GROUPED_MATMUL_KERNELS[kernel].dtypes:
         matmul = QUANTIZED_RAGGED_DOTS[quantize]
     else:
         raise ValueError(f"quantize={quantize!r} runs on XLA's ragged_dot, not the {kernel} kernel")
@@ -279,23 +281,24 @@ def moe_dropless(
     *,
     routing: Routing,
     activation,
-    rules=None,
-    correction_bias=None,
-    biases=None,
-    swiglu_limit=None,
-    swiglu_alpha=None,
-    kernel="ragged_dot",
-    tiles=None,
-    quantize=None,
-    dispatch="all_gather",
-    check_vma=True,
-    checkpoint_names=None,
+    swiglu_limit,
+    swiglu_alpha,
+    correction_bias,
+    biases,
+    checkpoint_names,
+    kernel,
+    tiles,
+    quantize,
+    dispatch,
+    check_vma,
+    rules,
 ):
     """Mixture of experts that drops no token. Each device routes its own rows of the batch: the expert weights
     reach it whole along `embed` (FSDP's all-gather), split along `expert` and `mlp` as the program's `rules`
     (LOGICAL_AXIS_RULES) say. Sorting the whole batch's tokens by expert instead would gather them all onto every
     device. The experts' products run by grouped_matmul's `kernel` with its `tiles`, or by a `quantize`d ragged dot
-    ("int8", "fp8": runtime.int8_ragged_dot, fp8_ragged_dot). `dispatch`: how token copies reach the devices of
+    ("int8", "fp8": runtime.int8_ragged_dot, fp8_ragged_dot), on a kernel whose entry in runtime/kernels.py takes
+    them. `dispatch`: how token copies reach the devices of
     their experts where the experts are split, "all_gather" (every token of the expert group to every device),
     "ragged_all_to_all" or "all_to_all" (each copy only to its expert's device: _experts_by_all_to_all).
     `check_vma=False` is for a kernel whose outputs name no mesh axes they vary over, which shard_map's check
@@ -355,12 +358,12 @@ def _moe_dropless_on_device(
     *,
     routing: Routing,
     experts: _Experts,
+    dispatch,
     batch_axes=None,
     expert_axes=None,
     mlp_axes=None,
     correction_bias=None,
     biases=None,
-    dispatch="all_gather",
 ):
     """One device's share of `moe_dropless`. Each token is copied once per chosen expert, the copies are sorted by
     expert, and each weight is one grouped matmul over the experts' contiguous groups of rows. With the experts
@@ -501,11 +504,11 @@ def moe_with_capacity(
     routing: Routing,
     capacity_factor,
     activation,
-    correction_bias=None,
-    biases=None,
-    swiglu_limit=None,
-    swiglu_alpha=None,
-    checkpoint_names=None,
+    swiglu_limit,
+    swiglu_alpha,
+    correction_bias,
+    biases,
+    checkpoint_names,
 ):
     """Mixture of experts with a fixed buffer per expert and sequence, as in GShard: each expert takes
     ceil(top_k * seq * capacity_factor / experts) token copies of a sequence, first choices of every token

@@ -32,16 +32,18 @@ class Program:
     config: dict  # CONFIG: the spec's model and training settings
     params: dict  # PARAMS: a tree of ParamSpec
     logical_axis_rules: dict  # LOGICAL_AXIS_RULES: logical axis -> mesh axes
+    target: str  # TARGET: the target it was built for
     mesh_shape: dict  # MESH_SHAPE: mesh axis -> devices, over the whole job
     dcn_mesh_shape: dict | None  # DCN_MESH_SHAPE: how slices split the mesh (None: one slice)
     platform: str  # PLATFORM: jax's platform, unless JAX_PLATFORMS says otherwise
     num_hosts: int  # NUM_HOSTS: processes a job of this target has
     compiler_flags: dict  # COMPILER_FLAGS: environment variable -> flags set before jax starts
     memory_fraction: float | None  # MEMORY_FRACTION: of each device's memory for jax's allocator
-    peak_flops_per_device: float  # PEAK_FLOPS_PER_DEVICE: for MFU
+    peak_flops_per_device: float | None  # PEAK_FLOPS_PER_DEVICE: for MFU; None: no chip's published peak
     microbatch: int  # MICROBATCH: sequences per device per forward and backward pass
     logged_metrics: tuple  # LOGGED_METRICS: metrics the progress line shows besides the loss
     optimizer: object  # OPTIMIZER: the optax transformation of the train step
+    learning_rate: object  # LEARNING_RATE: the optax schedule, step -> rate
     init_params: types.FunctionType
     train_step: types.FunctionType
     eval_step: types.FunctionType

@@ -2,10 +2,11 @@
 [rows, in] in contiguous groups, one per expert (`group_sizes`), times weights [experts, in, out] -> [rows, out];
 rows after the last group give zeros and take no gradient.
 
-The recipes are the programs' quantized dots' (templates/ops/quantize.j2) with one weight scale per expert:
-`int8_ragged_dot` scales each row by its own max and each expert's output channels by their own (AQT-style, int32
-accumulation, the bf16 gradient: straight-through); `fp8_ragged_dot` scales the rows by their max and each expert's
-weights by theirs (e4m3 values, float32 accumulation; the gradient multiplied as e5m2 by the saved e4m3 operands).
+The recipes are the programs' quantized dots' (runtime/quantize.py, whose quantizers they share) with one weight
+scale per expert: `int8_ragged_dot` scales each row by its own max and each expert's output channels by their own
+(AQT-style, int32 accumulation, the bf16 gradient: straight-through); `fp8_ragged_dot` scales the rows by their
+max and each expert's weights by theirs (e4m3 values, float32 accumulation; the gradient multiplied as e5m2 by the
+saved e4m3 operands).
 Both multiply by XLA's ragged_dot: the chips' grouped matmul kernels (megablox, ragged_dot_mgpu) take no int8 or
 fp8 operands (backends/lowering.py says per target which products run quantized). Under the MoE's shard_map each
 device scales what it holds: fp8's row scale is the max of the rows it computes.
@@ -14,6 +15,7 @@ device scales what it holds: fp8's row scale is the max of the rows it computes.
 import jax
 import jax.numpy as jnp
 
+from axgen.runtime.quantize import quantize_fp8, quantize_int8
 from axgen.runtime.sharding import varying_axes
 
 # Each expert's weight gradient: the groups' rows, transposed, times their output gradient ([in, out] per group).
@@ -27,22 +29,6 @@ def group_of_rows(group_sizes: jax.Array, rows: int) -> jax.Array:
     are zero, so any scale does)."""
     ends = jnp.cumsum(group_sizes)
     return jnp.minimum(jnp.searchsorted(ends, jnp.arange(rows), side="right"), group_sizes.shape[0] - 1)
-
-
-def quantize_int8(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
-    """Symmetric int8 with one float32 scale per slice over `axes`: x ~ q * scale with |q| <= 127."""
-    scale = jnp.max(jnp.abs(x), axis=axes, keepdims=True).astype(jnp.float32) / 127
-    scale = jnp.where(scale == 0, 1.0, scale)
-    return jnp.round(x / scale).astype(jnp.int8), scale
-
-
-def quantize_fp8(x: jax.Array, dtype, axes: tuple[int, ...] | None = None) -> tuple[jax.Array, jax.Array]:
-    """x in an fp8 `dtype` with one float32 scale per slice over `axes` (all of x without), chosen from this x
-    (current scaling) so that the slice's max|x| lands on the format's largest value."""
-    scale = jnp.max(jnp.abs(x), axis=axes, keepdims=axes is not None).astype(jnp.float32)
-    scale = scale / float(jnp.finfo(dtype).max)
-    scale = jnp.where(scale == 0, 1.0, scale)
-    return (x / scale).astype(dtype), scale
 
 
 @jax.custom_vjp

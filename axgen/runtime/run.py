@@ -1,7 +1,6 @@
 """`python PROGRAM.py --data D --run-dir R`: the training run every emitted program hands its steps to."""
 
 import argparse
-import math
 import os
 import sys
 import time
@@ -18,7 +17,7 @@ from axgen.runtime.dataset import (
     prefetched,
 )
 from axgen.runtime.faults import NonFiniteGuard, RunDirError, StopSignals, lock_run_dir, make_run_dir
-from axgen.runtime.metrics import MetricsLog, Progress
+from axgen.runtime.metrics import MetricsLog, Progress, schedule_points
 from axgen.runtime.program import IncompatibleProgram, Program
 from axgen.runtime.training import BatchSplitError
 
@@ -71,15 +70,25 @@ def train(program: Program, args, train_data, eval_data, eval_batches, began, cr
         started = time.perf_counter()
         step_fn, eval_fn = compile_checked(program, mesh, args.batch, evaluating=eval_data is not None)
         compiled = time.perf_counter()
-        state, origin = restore_or_init(program, manager, mesh, args)
+        state, origin, how = restore_or_init(program, manager, mesh, args)
         start, restored = int(state["step"]), time.perf_counter()
         sharding = program.batch_sharding(mesh, args.batch)
         print(
             f"{config['model']} on {jax.device_count()} devices, mesh {program.mesh_shape}, batch {args.batch} in"
             f" {program.accumulation_steps(args.batch)} pass(es) of {program.microbatch} sequence(s) per device:"
             f" {origin} (start-up"
-            f" {started - began:.1f}s, compile {compiled - started:.1f}s, restore {restored - compiled:.1f}s)",
+            f" {started - began:.1f}s, compile {compiled - started:.1f}s, {how} {restored - compiled:.1f}s)",
             flush=True,
+        )
+        log.start(
+            start,
+            model=config["model"],
+            spec=config["spec"],
+            target=program.target,
+            devices=jax.device_count(),
+            mesh=program.mesh_shape,
+            began=origin,
+            lr_schedule=schedule_points(program.learning_rate, config["steps"], config["warmup_steps"]),
         )
         progress = Progress(
             log,
@@ -188,17 +197,18 @@ def compile_checked(program: Program, mesh, global_batch, evaluating: bool):
 
 def restore_or_init(program: Program, manager, mesh, args):
     """The newest checkpoint of this run that verifies; else the params of --init-from with a fresh optimizer;
-    else a seeded init. Returns the state and where it came from, in words."""
+    else a seeded init. Returns the state, where it came from in words, and what the start line calls the time
+    it took (restore, or init where nothing was read)."""
     state, step = checkpoints.newest_verified(manager, mesh, args.run_dir, program.abstract_state(mesh))
     if state is not None:
-        return state, f"resumed from step {step}"
+        return state, f"resumed from step {step}", "restore"
     shardings = program.state_shardings(mesh)
     if args.init_from:
         params = program.restore_params(args.init_from, mesh)
         state = jax.jit(program.state_from_params, out_shardings=shardings)(params)
-        return state, f"params from {args.init_from}, a fresh optimizer state"
+        return state, f"params from {args.init_from}, a fresh optimizer state", "restore"
     state = jax.jit(program.init_state, out_shardings=shardings)(jax.random.key(program.config["seed"]))
-    return state, "initialised from seed"
+    return state, "initialised from seed", "init"
 
 
 def evaluate(eval_fn, params, data, batch_sharding, num_batches):
