@@ -1,20 +1,29 @@
 # `make demo` and `make test` create .venv when it is missing, with a Python >= 3.12 found by scripts/find-python.
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+# The demo's environment is the default install (jax for CPU, the compiler, the data tools: about 1 GB); the tests
+# add pytest, grain and the chips' deviceless compilers (libtpu, the CUDA plugin and cuDNN: about 3 GB more).
+DEMO_STAMP := $(VENV)/.installed-demo
+TEST_STAMP := $(VENV)/.installed-test
 DEMO := build/demo
 
 .PHONY: demo test test-slow generate aot-report fixtures check-export clean
 
-$(STAMP): pyproject.toml
-	@test -x $(BIN)/python || { py=$$(scripts/find-python) && echo "creating $(VENV) with $$py" && "$$py" -m venv $(VENV); }
+$(VENV)/bin/python:
+	@py=$$(scripts/find-python) && echo "creating $(VENV) with $$py" && "$$py" -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+
+$(DEMO_STAMP): pyproject.toml | $(VENV)/bin/python
+	$(BIN)/pip install -q -e .
+	touch $(DEMO_STAMP)
+
+$(TEST_STAMP): pyproject.toml | $(VENV)/bin/python
 	$(BIN)/pip install -q -e '.[dev,bench,tpu,gpu-aot]'
-	touch $(STAMP)
+	touch $(TEST_STAMP) $(DEMO_STAMP)
 
 # The path a user takes with their own text: a tokenizer, a dataset with an eval split, a program, a run that
 # evaluates and resumes, and its report (build/demo/run/report.png).
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	rm -rf $(DEMO)
 	$(BIN)/axgen corpus $(DEMO)/corpus
 	$(BIN)/axgen tokenizer train $(DEMO)/corpus --vocab-size 512 --out $(DEMO)/tokenizer.json
@@ -28,21 +37,21 @@ demo: $(STAMP)
 	$(BIN)/axgen report $(DEMO)/run
 
 # The quick tier (README: Tests): formatting, generated/ against the compiler, and every test but the slow tier.
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/black --check --quiet .
 	$(BIN)/axgen build --all --check
 	$(BIN)/python -m pytest
 
 # The slow tier: deviceless compiles of MoE and multi-pass programs for the chips, jobs of several processes, the
 # installed wheel. CI runs it after `make test`.
-test-slow: $(STAMP)
+test-slow: $(TEST_STAMP)
 	$(BIN)/python -m pytest -m slow
 
-generate: $(STAMP)
+generate: $(DEMO_STAMP)
 	$(BIN)/axgen build --all
 
 # Compiles every spec x target for its chips (minutes per 7B+ program): docs/aot.md.
-aot-report: $(STAMP)
+aot-report: $(TEST_STAMP)
 	$(BIN)/axgen aot --all --report docs/aot.md
 
 # Needs Python 3.11 with torch: see tests/fixtures/make_hf_fixtures.py.
@@ -52,7 +61,7 @@ fixtures:
 # transformers loads every family `axgen export-hf` writes and computes HF's logits. HF_PYTHON: a Python with
 # torch 2.13.0 and transformers 5.23.0 (tests/fixtures/make_hf_fixtures.py says how to make one).
 HF_PYTHON ?= python3
-check-export: $(STAMP)
+check-export: $(TEST_STAMP)
 	rm -rf build/check-export
 	PYTHONPATH=. $(BIN)/python tests/fixtures/check_export_in_transformers.py export build/check-export
 	$(HF_PYTHON) tests/fixtures/check_export_in_transformers.py check build/check-export

@@ -11,58 +11,71 @@ import json
 import math
 import multiprocessing
 import re
+import signal
 import sys
+import threading
 import time
 import typing
 from datetime import date
 from pathlib import Path
 
-from axgen.analysis.aot import REPORT_TITLE, AotError, compile_target, markdown
-from axgen.backends import FAMILIES, family_for, plan_for
-from axgen.build import build, default_output, lowered, program_header
-from axgen.data.corpus import write_corpus
-from axgen.data.chat import load_chat_template
-from axgen.data.datasets import build_chat_dataset, build_dataset, summary
-from axgen.analysis.explain import explain, render
-from axgen.files import OutputError, check_output_dir, check_output_file, write_atomically
-from axgen.hf.export import export_dtype, export_hf
-from axgen.hf.import_config import HFImportError, TrainChoices, import_hf
-from axgen.hf.weights import convert_hf
-from axgen.data.inputs import DataError, ReadOptions
-from axgen.interop import CheckpointError
-from axgen.ir import GraphError, cost, from_spec
+import axgen
+from axgen import progress
+from axgen.files import check_output_dir, check_output_file, write_atomically
 from axgen.loader import bundled_specs, load_spec, spec_path
-from axgen.passes import PassError, run_passes
-from axgen.analysis.placement import uneven
-from axgen.analysis.plan import PlanError, search, table, write_rule
-from axgen.analysis.report import ReportError, write_report
 from axgen.spec import MESH_AXES, Model, SpecError
-from axgen.data.tokenizer import load_tokenizer, train_tokenizer
+
+# A command imports what it needs when it runs (jax, the compiler's templates, the data tools take seconds to
+# import), so `axgen --help` and `axgen targets` answer at once.
 
 GENERATED = Path("generated")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    progress.enabled = not getattr(args, "quiet", False)
+    # SIGTERM (a scheduler's or `kill`'s stop) ends a command as Ctrl-C does: what it was writing is staged and
+    # removed on the way out, never left half-made beside its output. Only the main thread may set a handler.
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
     try:
         return args.run(args)
-    except (
-        SpecError,
-        GraphError,
-        PassError,
-        AotError,
-        DataError,
-        ReportError,
-        HFImportError,
-        CheckpointError,
-        OutputError,
-        PlanError,
-    ) as err:
+    except _user_errors() as err:
         _print_error(err)
         return 2
     except KeyboardInterrupt:
         print("axgen: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if main_thread:  # called in a process that goes on (a test, a notebook): its own handler comes back
+            signal.signal(signal.SIGTERM, previous)
+
+
+# The errors a command reports as one line (exit 2), by module. Only a module a command has imported can have
+# raised one, so the others are not imported to be caught.
+USER_ERRORS = {
+    "axgen.spec.validation": "SpecError",
+    "axgen.ir.graph": "GraphError",
+    "axgen.passes.manager": "PassError",
+    "axgen.analysis.aot": "AotError",
+    "axgen.analysis.extras": "MissingExtra",
+    "axgen.analysis.plan": "PlanError",
+    "axgen.analysis.report": "ReportError",
+    "axgen.data.inputs": "DataError",
+    "axgen.files": "OutputError",
+    "axgen.hf.import_config": "HFImportError",
+    "axgen.interop": "CheckpointError",
+}
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    return tuple(
+        getattr(sys.modules[module], name) for module, name in USER_ERRORS.items() if module in sys.modules
+    )
+
+
+def _interrupt(number, frame) -> typing.NoReturn:
+    raise KeyboardInterrupt
 
 
 def _print_error(err: Exception) -> None:
@@ -114,9 +127,17 @@ def _fraction(text: str) -> float:
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="axgen", description="Compile a model spec into a JAX training program.")
+    parser.add_argument("--version", action="version", version=f"axgen {axgen.__version__}")
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
+    # What the commands that can run for minutes take: their progress shows on a terminal, unless --quiet.
+    quiet = _Parser(add_help=False)
+    quiet.add_argument(
+        "-q", "--quiet", action="store_true", help="no progress bar (shown only on a terminal)"
+    )
 
-    b = sub.add_parser("build", help="emit the program of a spec for a target (or of every spec x target)")
+    b = sub.add_parser(
+        "build", help="emit the program of a spec for a target (or of every spec x target)", parents=[quiet]
+    )
     b.add_argument(
         "spec", nargs="?", help="spec file, or a bundled spec's name: specs/my_model.py, llama2_7b"
     )
@@ -149,7 +170,9 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--target", help="default: the spec's first target")
     e.set_defaults(run=_explain)
 
-    a = sub.add_parser("aot", help="compile a program's train step for its target's chips without them")
+    a = sub.add_parser(
+        "aot", help="compile a program's train step for its target's chips without them", parents=[quiet]
+    )
     a.add_argument(
         "spec", nargs="?", help="spec file, or a bundled spec's name: specs/my_model.py, llama2_7b"
     )
@@ -184,6 +207,9 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--write", action="store_true", help="put the winner first among the spec's mesh rules")
     pl.set_defaults(run=_plan)
 
+    sp = sub.add_parser("specs", help="list the bundled specs, which `axgen build NAME` builds by name")
+    sp.set_defaults(run=_specs)
+
     t = sub.add_parser("targets", help="list the target patterns and their mesh rules")
     t.set_defaults(run=_targets)
 
@@ -192,7 +218,11 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--force", action="store_true", help="write into an existing directory")
     c.set_defaults(run=_corpus)
 
-    d = sub.add_parser("data", help="tokenize text, JSON Lines or Parquet files into a sharded token dataset")
+    d = sub.add_parser(
+        "data",
+        help="tokenize text, JSON Lines or Parquet files into a sharded token dataset",
+        parents=[quiet],
+    )
     _input_arguments(d)
     d.add_argument("--tokenizer", type=_path, required=True, help="a Hugging Face tokenizer.json")
     d.add_argument("--out", type=_path, required=True, help="dataset directory to write")
@@ -233,7 +263,9 @@ def _parser() -> argparse.ArgumentParser:
     d.set_defaults(run=_data)
 
     tok = sub.add_parser("tokenizer", help="tokenizer tools").add_subparsers(required=True, metavar="ACTION")
-    tt = tok.add_parser("train", help="fit a byte-level BPE to the documents `axgen data` would read")
+    tt = tok.add_parser(
+        "train", help="fit a byte-level BPE to the documents `axgen data` would read", parents=[quiet]
+    )
     _input_arguments(tt)
     tt.add_argument("--vocab-size", type=int, required=True, help="tokens: 256 bytes, 2 special, merges")
     tt.add_argument("--out", type=_path, required=True, help="tokenizer.json (tokenizer_config.json beside)")
@@ -319,7 +351,9 @@ def _input_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--skip-bad", action="store_true", help="skip and count bad records, not stop")
 
 
-def _read_options(args) -> ReadOptions:
+def _read_options(args):
+    from axgen.data.inputs import ReadOptions
+
     chat, sharegpt = getattr(args, "chat", False), getattr(args, "sharegpt", False)
     default = "conversations" if sharegpt else "messages" if chat else "text"
     return ReadOptions(args.field or default, args.column or default, args.doc_per_line, args.skip_bad)
@@ -334,6 +368,9 @@ class _Job(typing.NamedTuple):
 
 def _jobs(args) -> list[_Job]:
     """Every program the command covers."""
+    from axgen.backends import family_for
+    from axgen.build import default_output
+
     if args.all == bool(args.spec):
         raise SpecError("give a spec file or --all (not both)")
     if args.all and args.out:
@@ -357,6 +394,8 @@ def _jobs(args) -> list[_Job]:
 
 
 def _build(args) -> int:
+    from axgen.build import program_header
+
     jobs = _jobs(args)
     if not args.check:
         for job in jobs:
@@ -367,7 +406,9 @@ def _build(args) -> int:
     work = [(job.spec_file, job.target) for job in jobs]
     if len(work) > 1:
         with concurrent.futures.ProcessPoolExecutor(mp_context=multiprocessing.get_context("spawn")) as pool:
-            sources = list(pool.map(_source, work))
+            sources = list(
+                progress.bar(pool.map(_source, work), total=len(work), desc="building", unit="program")
+            )
     else:
         sources = [_source(job) for job in work]
     for out, (source, warning) in zip((job.out for job in jobs), sources):
@@ -394,11 +435,16 @@ def _build(args) -> int:
 
 def _source(job: tuple[str, str]) -> tuple[str, str | None]:
     """The program's text, and a warning where its mesh leaves params whole on every device."""
+    from axgen.analysis.placement import uneven
+    from axgen.build import build
+
     built = build(*job)
     return built.source, uneven(built)
 
 
 def _graph(args) -> int:
+    from axgen.build import lowered
+
     spec = load_spec(args.spec)
     graph, _, _ = lowered(spec, args.target or spec.targets[0], args.after)
     print(graph.dump(), end="")
@@ -406,6 +452,10 @@ def _graph(args) -> int:
 
 
 def _explain(args) -> int:
+    from axgen.analysis.explain import explain, render
+    from axgen.backends import family_for
+    from axgen.build import build
+
     spec = load_spec(args.spec)
     target = args.target or spec.targets[0]
     family_for(spec, target)
@@ -416,10 +466,17 @@ def _explain(args) -> int:
 
 def _aot(args) -> int:
     """Exit 1 when a program does not fit its chip's memory (or, with --all, when a compile failed)."""
+    from axgen.analysis.aot import REPORT_TITLE, AotError, compile_target, markdown
+    from axgen.analysis.extras import check_compiler
+    from axgen.backends import plan_for
+
     if args.report:
         check_output_file(args.report, force=args.force, header=re.compile(re.escape(REPORT_TITLE)))
+    jobs = _jobs(args)
+    for job in jobs:  # before the first compile, not after an hour of them
+        check_compiler(plan_for(job.spec, job.target), "aot")
     reports, failures = [], []
-    for job in _jobs(args):
+    for job in progress.bar(jobs, desc="compiling", unit="program"):
         try:
             report = compile_target(job.spec_file, job.target, timeout=args.timeout)
         except AotError as err:
@@ -439,8 +496,13 @@ def _aot(args) -> int:
 
 def _plan(args) -> int:
     """Exit 1 when nothing fits."""
+    from axgen.analysis.extras import check_compiler
+    from axgen.analysis.plan import search, table, write_rule
+    from axgen.backends import plan_for
+
     spec = load_spec(args.spec)
     plan = plan_for(spec, args.target)
+    check_compiler(plan, "plan")
     found = search(
         args.spec,
         args.target,
@@ -490,14 +552,42 @@ def _mesh(text: str) -> dict[str, int]:
 
 
 def _targets(args) -> int:
+    """Each family with the rules of its backend file that apply to its targets (the TPU generations share one
+    file, whose rules name their generation), first match winning."""
+    from axgen.backends import FAMILIES
+
     for family in FAMILIES:
         print(f"{family.display}  ({family.chip.name}, backends/{family.name}.py)")
+        examples = _example_targets(family)
         for rule in family.rules:
-            print(f"  {rule.pattern:<28} {rule.mesh}  {rule.why}")
+            if any(re.fullmatch(rule.pattern, target) for target in examples):
+                print(f"  {rule.pattern:<28} {rule.mesh}  {rule.why}")
+    return 0
+
+
+def _example_targets(family) -> list[str]:
+    """Targets of the family of 1 to 4096 devices, and of 2 to 16 slices where it has slices."""
+    one_slice = [family.display.replace("[xS]", "").replace("N", str(2**k)) for k in range(13)]
+    sliced = (
+        [f"{target}x{slices}" for target in one_slice for slices in (2, 4, 8, 16)]
+        if "[xS]" in family.display
+        else []
+    )
+    return [target for target in one_slice + sliced if family.parse(target) is not None]
+
+
+def _specs(args) -> int:
+    """The bundled specs by name, what `axgen build NAME` takes, with their targets and first docstring line."""
+    for path in bundled_specs():
+        spec = load_spec(path)
+        about = (sys.modules[f"axgen.specs.{path.stem}"].__doc__ or "").strip().split("\n")[0]
+        print(f"{path.stem:<18} {', '.join(spec.targets):<44} {about}")
     return 0
 
 
 def _corpus(args) -> int:
+    from axgen.data.corpus import write_corpus
+
     check_output_dir(args.out, force=args.force)
     files = write_corpus(args.out)
     size = sum(path.stat().st_size for path in files)
@@ -506,6 +596,11 @@ def _corpus(args) -> int:
 
 
 def _data(args) -> int:
+    from axgen.data.chat import load_chat_template
+    from axgen.data.datasets import build_chat_dataset, build_dataset, summary
+    from axgen.data.inputs import DataError
+    from axgen.data.tokenizer import load_tokenizer
+
     args.chat = args.chat or args.sharegpt
     if not args.chat:
         for flag, value in (("--chat-template", args.chat_template), ("--max-len", args.max_len)):
@@ -539,6 +634,10 @@ def _data(args) -> int:
 
 
 def _import_hf(args) -> int:
+    from axgen.hf.import_config import TrainChoices, import_hf
+    from axgen.ir import cost, from_spec
+    from axgen.passes import run_passes
+
     check_output_file(args.out, force=args.force)
     targets = tuple(args.target or ("cpu-8",))
     choices = TrainChoices(args.seq_len, args.batch, args.lr, args.steps, targets)
@@ -550,6 +649,8 @@ def _import_hf(args) -> int:
 
 
 def _convert_hf(args) -> int:
+    from axgen.hf.weights import convert_hf
+
     check_output_dir(args.out, force=args.force)
     spec = load_spec(args.spec)
     params = convert_hf(spec, args.hf, args.out, overwrite=args.force)
@@ -562,6 +663,8 @@ def _convert_hf(args) -> int:
 
 
 def _export_hf(args) -> int:
+    from axgen.hf.export import export_dtype, export_hf
+
     check_output_dir(args.out, force=args.force)
     spec = load_spec(args.spec)
     shard_bytes = int(args.shard_gb * 10**9)
@@ -583,6 +686,8 @@ def _export_hf(args) -> int:
 
 
 def _report(args) -> int:
+    from axgen.analysis.report import write_report
+
     # RUN_DIR/report.png is the command's own, redrawn as the run goes on; a PNG elsewhere may be anyone's.
     if args.out:
         check_output_file(args.out, force=args.force)
@@ -593,6 +698,8 @@ def _report(args) -> int:
 
 
 def _tokenizer_train(args) -> int:
+    from axgen.data.tokenizer import train_tokenizer
+
     check_output_file(args.out, force=args.force)
     tokenizer, skipped = train_tokenizer(
         args.inputs, args.vocab_size, args.out, _read_options(args), overwrite=args.force

@@ -919,3 +919,31 @@ def test_a_generated_bad_spec_is_refused_in_one_line_naming_file_line_and_field(
     assert err.startswith(f"axgen: error: specs/{name}.py:{line}: "), (new, err)
     assert re.search(rf"\b{field.removesuffix('s')}", err), (new, err)  # `targets`: "unknown target 'x'"
     assert not out.parent.exists()
+
+
+@pytest.mark.parametrize(
+    ("command", "target", "extra"),
+    [("aot", "tpu-v5e-8", "tpu"), ("plan", "tpu-v5e-8", "tpu"), ("aot", "gpu-h100-8", "gpu-aot")],
+)
+def test_a_compile_for_a_chip_without_its_compiler_names_the_extra_before_any_work(
+    capsys, monkeypatch, tmp_path, command, target, extra
+):
+    """The default install has no chip's compiler; `aot` and `plan` say which extra brings it, at once."""
+    from axgen.analysis import extras
+
+    monkeypatch.setattr(
+        extras, "COMPILERS", {p: (f"{m}_absent_here", x) for p, (m, x) in extras.COMPILERS.items()}
+    )
+    for started in ("compile_target", "search"):
+        monkeypatch.setattr(cli, started, lambda *a, **k: pytest.fail("compiled without the compiler"))
+    report = tmp_path / "aot.md"
+    argv = [command, "llama_tiny", "--target", target] + (
+        ["--report", str(report)] if command == "aot" else []
+    )
+    code, err = run(capsys, *argv)
+    assert code == 2 and err.count("\n") == 1, err
+    assert (
+        f"axgen {command} for {target} compiles with " in err
+        and f"install axgen's extra [{extra}]: pip install '" in err
+    )
+    assert not report.exists()

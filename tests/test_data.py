@@ -550,3 +550,20 @@ def test_corpus_writes_one_text_document_per_module(tmp_path, capsys):
     assert "class ArgumentParser" in (tmp_path / "corpus" / "argparse.txt").read_text()
     assert sum(p.stat().st_size for p in files) < 5_000_000
     assert write_corpus(tmp_path / "again") == [tmp_path / "again" / f"{name}.txt" for name in MODULES]
+
+
+@pytest.mark.parametrize("quiet", [False, True])
+def test_axgen_data_shows_its_progress_on_a_terminal_unless_quiet(
+    tmp_path, tokenizer_file, capsys, monkeypatch, quiet
+):
+    import axgen.progress
+
+    monkeypatch.setattr(axgen.progress.sys.stderr, "isatty", lambda: True, raising=False)
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    for i in range(3):
+        (texts / f"{i}.txt").write_text(f"document {i} " * 50)
+    argv = ["data", str(texts), "--tokenizer", str(tokenizer_file), "--out", str(tmp_path / "out")]
+    assert main(argv + (["--quiet"] if quiet else [])) == 0
+    err = capsys.readouterr().err
+    assert ("reading" in err) != quiet, err

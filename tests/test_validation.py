@@ -1,6 +1,7 @@
 """Bad specs and bad commands: one line naming the field, the value and the spec file:line; exit 2; no output."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -9,6 +10,7 @@ import pytest
 from axgen.cli import main as axgen
 from axgen.loader import load_spec
 from axgen.spec import SpecError
+from tests.conftest import ROOT
 
 GOOD = """\
 from axgen.spec import MLP, AdamW, Attention, Decoder, Model, RMSNorm, Train
@@ -338,3 +340,40 @@ def test_build_out_names_one_program(tmp_path, capsys):
     assert not (tmp_path / "p.py").exists()
     assert axgen(["build", str(spec), "--target", "cpu-1", "--out", str(tmp_path / "p.py")]) == 0
     assert (tmp_path / "p.py").stat().st_mode & 0o777 == 0o644, "as readable as any source file"
+
+
+def test_specs_lists_the_bundled_specs_and_targets_only_the_rules_of_each_family(capsys):
+    assert axgen(["specs"]) == 0
+    names = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert names == sorted(p.stem for p in (ROOT / "axgen/specs").glob("*.py") if p.stem != "__init__")
+    assert axgen(["targets"]) == 0
+    families = re.split(r"^(?=\S)", capsys.readouterr().out, flags=re.MULTILINE)
+    v6e = next(f for f in families if f.startswith("tpu-v6e-N"))
+    v5p = next(f for f in families if f.startswith("tpu-v5p-N"))
+    assert "tpu-v5p-" not in v6e and "tpu-v5e-256" not in v6e and "tpu-v.*" in v6e
+    assert "tpu-v5p-(512|1024)" in v5p and "tpu-v5e-256" not in v5p
+    assert all(len(f.splitlines()) > 1 for f in families if f), "every family shows its rules"
+
+
+def test_version(capsys):
+    from axgen import __version__
+
+    with pytest.raises(SystemExit) as exited:
+        axgen(["--version"])
+    assert exited.value.code == 0 and capsys.readouterr().out == f"axgen {__version__}\n"
+
+
+def test_the_command_line_imports_no_heavy_library_until_a_command_needs_it():
+    """`axgen --help`, `--version`, `targets` and `specs` answer without jax, the templates' printer or the data
+    tools (each command imports what it uses)."""
+    heavy = ["jax", "matplotlib", "tokenizers", "pyarrow", "orbax", "libcst", "black", "jinja2"]
+    code = (
+        "import sys, contextlib, io\n"
+        "from axgen.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    assert main(['targets']) == 0 and main(['specs']) == 0\n"
+        f"print([m for m in {heavy!r} if m in sys.modules])\n"
+    )
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == "[]"

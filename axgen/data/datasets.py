@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from axgen.data.chat import ChatTemplate, ConversationCounts, encode_conversations
+from axgen import progress
 from axgen.files import check_replaceable, staging_dir
 from axgen.data.inputs import (
     SKIPPED_EXAMPLES,
@@ -52,9 +53,13 @@ def build_dataset(
     manifest."""
     files = expand_inputs(inputs)
     skipped = Skipped(options.skip_bad)
-    documents = tokenizer.encode(read_texts(files, options, skipped))
-    settings = dict(eval_fraction=eval_fraction, seed=seed, shard_tokens=shard_tokens, overwrite=overwrite)
-    return _write_encoded(out_dir, documents, tokenizer, files, skipped, **settings)
+    paths, shown = progress.reading(files)
+    with shown:
+        documents = progress.counted(tokenizer.encode(read_texts(paths, options, skipped)), shown)
+        settings = dict(
+            eval_fraction=eval_fraction, seed=seed, shard_tokens=shard_tokens, overwrite=overwrite
+        )
+        return _write_encoded(out_dir, documents, tokenizer, files, skipped, **settings)
 
 
 def _write_encoded(
@@ -95,22 +100,24 @@ def build_chat_dataset(
     files = expand_inputs(inputs)
     skipped = Skipped(options.skip_bad)
     counts = ConversationCounts(max_len=max_len)
-    conversations = read_conversations(files, options.field, options.column, skipped)
+    paths, shown = progress.reading(files)
+    conversations = read_conversations(paths, options.field, options.column, skipped)
     documents = encode_conversations(
         conversations, template, tokenizer, sharegpt=sharegpt, skipped=skipped, counts=counts
     )
-    return _write_encoded(
-        out_dir,
-        documents,
-        tokenizer,
-        files,
-        skipped,
-        eval_fraction=eval_fraction,
-        seed=seed,
-        shard_tokens=shard_tokens,
-        overwrite=overwrite,
-        conversations=_ChatManifest(template, "sharegpt" if sharegpt else "messages", counts),
-    )
+    with shown:
+        return _write_encoded(
+            out_dir,
+            progress.counted(documents, shown),
+            tokenizer,
+            files,
+            skipped,
+            eval_fraction=eval_fraction,
+            seed=seed,
+            shard_tokens=shard_tokens,
+            overwrite=overwrite,
+            conversations=_ChatManifest(template, "sharegpt" if sharegpt else "messages", counts),
+        )
 
 
 class _ChatManifest:

@@ -16,6 +16,7 @@ from typing import TypeVar
 import numpy as np
 from tokenizers import Encoding, Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from axgen import progress
 from axgen.files import check_replaceable, write_atomically
 from axgen.data.inputs import DataError, ReadOptions, Skipped, expand_inputs, no_documents, read_texts
 
@@ -205,7 +206,7 @@ def train_tokenizer(
         vocab_size=vocab_size,
         special_tokens=special,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
+        show_progress=progress.shown(),  # its own bars: documents read, words counted, merges made
     )
     tokenizer.train_from_iterator(itertools.chain([first], texts), trainer=trainer)
     write_atomically(out, tokenizer.to_str(pretty=True))

@@ -1,0 +1,38 @@
+"""The README as a new user reads it: every `sh` block runs as written, in a fresh directory, with the virtualenv
+activated as the README says (its `bin/` first on PATH)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import PROGRAM_ENV, ROOT
+
+BLOCKS = re.findall(r"^```sh\n(.*?)^```$", (ROOT / "README.md").read_text(), re.MULTILINE | re.DOTALL)
+
+
+def test_the_readme_says_to_activate_the_virtualenv_before_its_commands():
+    readme = (ROOT / "README.md").read_text()
+    assert readme.index("source .venv/bin/activate") < readme.index("```sh"), "activation is said first"
+    assert readme.count("source .venv/bin/activate") == 1, "and once"
+
+
+@pytest.mark.parametrize("block", BLOCKS, ids=[f"block{i}" for i in range(len(BLOCKS))])
+def test_a_readme_shell_block_runs_as_written_in_a_fresh_directory(block, tmp_path):
+    env = dict(PROGRAM_ENV, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    ran = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", block],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert ran.returncode == 0, f"{block}\n--- stdout\n{ran.stdout[-3000:]}\n--- stderr\n{ran.stderr[-3000:]}"
+    for out in re.findall(r"--(?:out|run-dir) (\S+)", block):
+        assert (tmp_path / out).exists(), f"{out} was not made"
+    outs = re.findall(r"--(?:out|run-dir) (\S+)", block)
+    assert len(outs) == len(set(outs)), f"two commands write the same place: {outs}"
