@@ -95,7 +95,7 @@ def axgen_per_second(folder: Path, conversations: list[list[dict]]) -> float:
     def run(items) -> int:
         counts = ConversationCounts()
         pairs = encode_conversations(
-            ((str(i), c) for i, c in enumerate(items)),
+            ((str(i), c, {}) for i, c in enumerate(items)),
             template,
             tokenizer,
             sharegpt=False,

@@ -5,6 +5,7 @@ reader gives the masks beside the tokens."""
 
 import hashlib
 import json
+import re
 import shutil
 from datetime import datetime
 from pathlib import Path
@@ -23,6 +24,7 @@ from axgen.data.chat import (
     encode_conversations,
     load_chat_template,
     loss_mask,
+    template_variables,
 )
 from axgen.data.datasets import read_manifest, write_dataset
 from axgen.data.inputs import DataError, Skipped
@@ -42,7 +44,11 @@ END_OF_TURN = {
     "qwen2.5-instruct": "<|im_end|>",
     "mistral-7b-instruct-v0.2": "</s>",
     "gemma-2-9b-it": "<end_of_turn>",
+    "phi-3.5-mini-instruct": "<|end|>",
 }
+# Templates that render a turn differently once later ones follow, so a conversation of several assistant turns
+# trains as one example per turn: Qwen3 drops a turn's reasoning block, Phi-3.5 writes eos only at the very end.
+PER_TURN = {"qwen3", "phi-3.5-mini-instruct"}
 # The templates that write each content trimmed.
 TRIMS_CONTENT = {"meta-llama-3-8b-instruct", "llama-3.2-3b-instruct", "gemma-2-9b-it"}
 # The templates that raise on a system turn (Gemma's "System role not supported"; Mistral's roles must alternate
@@ -70,7 +76,7 @@ def encoded(template, tokenizer, conversations, skip_bad=False, max_len=None):
     skipped, counts = Skipped(skip_bad), ConversationCounts(max_len=max_len)
     pairs = list(
         encode_conversations(
-            ((f"c{i}", c) for i, c in enumerate(conversations)),
+            ((f"c{i}", c, {}) for i, c in enumerate(conversations)),
             template,
             tokenizer,
             sharegpt=False,
@@ -118,6 +124,111 @@ def test_generation_marked_masks_equal_transformers(tmp_path, fixture, name):
     assert list(mask) == want["assistant_masks"]
 
 
+RECORDS = json.loads((FIXTURES / "records.json").read_text())
+RECORD_CASES = [(f, r) for f, fixture in EXPECTED["fixtures"].items() for r in fixture["records"]]
+
+
+def variables_of(record: dict) -> dict:
+    return {key: value for key, value in record.items() if key != "messages"}
+
+
+@pytest.mark.parametrize(("fixture", "name"), RECORD_CASES)
+def test_a_records_tools_documents_and_template_kwargs_render_as_in_transformers(tmp_path, fixture, name):
+    """Tools (a list, or a JSON string of one), documents and chat_template_kwargs reach the template as TRL passes
+    them to apply_chat_template; the text, ids and (with generation marks) masks are transformers'."""
+    tokenizer, template = loaded(tmp_path, fixture)
+    record, want = RECORDS[name], EXPECTED["fixtures"][fixture]["records"][name]
+    messages, variables = record["messages"], template_variables(variables_of(record))[0]
+    if "error" in want:
+        with pytest.raises(TemplateRaised, match=re.escape(want["error"])):
+            template.render(messages, variables=variables)
+        return
+    assert template.render(messages, variables=variables) == want["text"]
+    skipped, counts = Skipped(False), ConversationCounts(max_len=None)
+    item = ("r", record["messages"], variables_of(record))
+    pairs = list(
+        encode_conversations([item], template, tokenizer, sharegpt=False, skipped=skipped, counts=counts)
+    )
+    if fixture in PER_TURN and sum(m["role"] == "assistant" for m in messages) > 1:
+        # As test_prefix_masks_cover_each_assistant_turn_and_its_end: one example per assistant turn.
+        assert [list(ids) for ids, _ in pairs] == [turn["ids"] for turn in want["turns"]]
+        assert [len(trained_pieces(tokenizer, ids, mask)) for ids, mask in pairs] == [1, 1]
+        return
+    ids, mask = pairs[0]
+    assert list(ids) == want["ids"]
+    assert list(mask) == want["assistant_masks"]
+
+
+RECORDS = json.loads((FIXTURES / "records.json").read_text())
+RECORD_CASES = [(f, r) for f, fixture in EXPECTED["fixtures"].items() for r in fixture["records"]]
+
+
+def variables_of(record: dict) -> dict:
+    return {key: value for key, value in record.items() if key != "messages"}
+
+
+@pytest.mark.parametrize(("fixture", "name"), RECORD_CASES)
+def test_a_records_tools_documents_and_template_kwargs_render_as_in_transformers(tmp_path, fixture, name):
+    """Tools (a list, or a JSON string of one), documents and chat_template_kwargs reach the template as TRL passes
+    them to apply_chat_template; the text, ids and (with generation marks) masks are transformers'."""
+    tokenizer, template = loaded(tmp_path, fixture)
+    record, want = RECORDS[name], EXPECTED["fixtures"][fixture]["records"][name]
+    messages, variables = record["messages"], template_variables(variables_of(record))[0]
+    if "error" in want:
+        with pytest.raises(TemplateRaised, match=re.escape(want["error"])):
+            template.render(messages, variables=variables)
+        return
+    assert template.render(messages, variables=variables) == want["text"]
+    skipped, counts = Skipped(False), ConversationCounts(max_len=None)
+    if fixture in PER_TURN and sum(m["role"] == "assistant" for m in messages) > 1:
+        # As test_prefix_masks_cover_each_assistant_turn_and_its_end: one example per assistant turn.
+        pairs = list(
+            encode_conversations(
+                [("r", messages, variables_of(record))],
+                template,
+                tokenizer,
+                sharegpt=False,
+                skipped=skipped,
+                counts=counts,
+            )
+        )
+        assert [list(ids) for ids, _ in pairs] == [turn["ids"] for turn in want["turns"]]
+        assert [len(trained_pieces(tokenizer, ids, mask)) for ids, mask in pairs] == [1, 1]
+        return
+    pairs = list(
+        encode_conversations(
+            [("r", record["messages"], variables_of(record))],
+            template,
+            tokenizer,
+            sharegpt=False,
+            skipped=skipped,
+            counts=counts,
+        )
+    )
+    ids, mask = pairs[0]
+    assert list(ids) == want["ids"]
+    if "assistant_masks" in want:
+        assert list(mask) == want["assistant_masks"]
+    else:  # every assistant turn trains, the tool call included, and the tool's answer does not
+        pieces = trained_pieces(tokenizer, ids, mask)
+        assert len(pieces) == sum(m["role"] == "assistant" for m in messages)
+        assert not any("temperature_c" in piece for piece in pieces)
+
+
+@pytest.mark.parametrize(
+    ("variables", "why"),
+    [
+        ({"tools": {"type": "function"}}, '"tools" is an object, not an array of objects'),
+        ({"tools": "[1, 2"}, '"tools" is a string that is not JSON'),
+        ({"documents": ["text"]}, '"documents" is an array, not an array of objects'),
+        ({"chat_template_kwargs": ["x"]}, '"chat_template_kwargs" is an array, not an object'),
+        ({"chat_template_kwargs": {"messages": []}}, "sets messages, which the renderer sets itself"),
+    ],
+)
+def test_bad_template_variables_are_a_bad_record(variables, why):
+    assert template_variables(variables)[0] is None and why in template_variables(variables)[1]
+
+
 def assistant_pieces(fixture: str, conversation: list[dict]) -> list[str]:
     """What each assistant turn of `conversation` must train: its content as the template writes it, and its
     end-of-turn token."""
@@ -128,6 +239,8 @@ def assistant_pieces(fixture: str, conversation: list[dict]) -> list[str]:
         # Trained as written (" leading space" as ▁leading ▁space), but its sentencepiece decoder drops the one
         # space that a decoded text starts with.
         return [content.removeprefix(" ") + end for content in contents]
+    if fixture == "phi-3.5-mini-instruct":  # the end of a conversation is the end of the text: eos trains too
+        return [content + end + "\n<|endoftext|>" for content in contents]
     if fixture != "qwen3":
         return [content + end for content in contents]
     # Qwen3 writes an empty reasoning block before the reply that ends the conversation.
@@ -146,11 +259,17 @@ def assistant_pieces(fixture: str, conversation: list[dict]) -> list[str]:
 def test_prefix_masks_cover_each_assistant_turn_and_its_end(tmp_path, fixture, name):
     tokenizer, template = loaded(tmp_path, fixture)
     conversation = CONVERSATIONS[name]
-    if fixture == "qwen3" and sum(m["role"] == "assistant" for m in conversation) > 1:
-        # Qwen3 renders a reply that ends the conversation with a reasoning block and drops it once a user turn
-        # follows: the rendering of a prefix is not a prefix of the whole, which is refused.
-        with pytest.raises(DataError, match="c0: the rendering of messages 0-.* is not a prefix"):
-            encoded(template, tokenizer, [conversation])
+    if fixture in PER_TURN and sum(m["role"] == "assistant" for m in conversation) > 1:
+        # The rendering of a prefix is not a prefix of the whole: the conversation trains one example per
+        # assistant turn, each transformers' rendering of the conversation up to that turn, training that turn.
+        pairs, _, counts = encoded(template, tokenizer, [conversation])
+        turns = EXPECTED["fixtures"][fixture]["conversations"][name]["turns"]
+        assert [list(ids) for ids, _ in pairs] == [turn["ids"] for turn in turns]
+        pieces = [trained_pieces(tokenizer, ids, mask) for ids, mask in pairs]
+        ends = [i + 1 for i, m in enumerate(conversation) if m["role"] == "assistant"]
+        assert pieces == [assistant_pieces(fixture, conversation[:end])[-1:] for end in ends]
+        assert (counts.per_turn_conversations, counts.per_turn_examples) == (1, len(turns))
+        assert counts.conversations == len(turns)
         return
     pairs, _, _ = encoded(template, tokenizer, [conversation])
     ids, mask = pairs[0]
@@ -172,16 +291,19 @@ def test_a_user_token_is_never_trained(tmp_path, fixture):
         conversation = conversation[:3]
     if fixture in NO_SYSTEM_TURN:
         conversation = conversation[1:]
-    text, spans = template.assistant_spans(conversation)
-    encoding = tokenizer.tokenizer.encode(text, add_special_tokens=False)
-    mask = loss_mask(encoding, spans)
-    for word in ("SYSTEMWORD", "USERWORD"):
-        start = 0
-        while (start := text.find(word, start)) >= 0:
-            touching = [i for i, (s, e) in enumerate(encoding.offsets) if s < start + len(word) and e > start]
-            assert touching and not mask[touching].any()
-            start += len(word)
-    assert mask.any()
+    examples, _ = template.examples(conversation)
+    for text, spans in examples:
+        encoding = tokenizer.tokenizer.encode(text, add_special_tokens=False)
+        mask = loss_mask(encoding, spans)
+        for word in ("SYSTEMWORD", "USERWORD"):
+            start = 0
+            while (start := text.find(word, start)) >= 0:
+                touching = [
+                    i for i, (s, e) in enumerate(encoding.offsets) if s < start + len(word) and e > start
+                ]
+                assert touching and not mask[touching].any()
+                start += len(word)
+        assert mask.any()
 
 
 def test_loss_mask_takes_each_token_a_span_touches():
@@ -232,6 +354,10 @@ def test_named_templates_and_the_builtin(tmp_path):
     tokenizer = load_tokenizer(folder / "tokenizer.json", bos="<|endoftext|>")
     assert load_chat_template(tokenizer, bos="<|endoftext|>").render([]) == "D<|endoftext|>"
     assert load_chat_template(tokenizer, "tool_use").render([]) == "T"
+    # Given tools, transformers' get_chat_template picks "tool_use" over "default"; so does a record's `tools`.
+    default = load_chat_template(tokenizer, bos="<|endoftext|>")
+    assert default.render([], variables={"tools": [{"type": "function"}]}) == "T"
+    assert default.manifest_entry()["with_tools"]["source"].endswith("(tool_use)")
     chatml = load_chat_template(tokenizer, "chatml").render([{"role": "user", "content": "x"}], True)
     assert chatml == "<|im_start|>user\nx<|im_end|>\n<|im_start|>assistant\n"
 
@@ -302,21 +428,36 @@ def test_axgen_data_chat_writes_masks_beside_the_shards(capsys, tmp_path):
     assert manifest["splits"]["train"]["num_trained_tokens"] == int(mask.sum())
 
 
-def test_the_reader_gives_mask_windows_aligned_with_token_windows(capsys, tmp_path):
+@pytest.mark.parametrize("seq_len", [255, 16])
+def test_the_reader_packs_whole_conversations_with_their_masks(capsys, tmp_path, seq_len):
+    """Each window starts at a conversation and holds whole ones (a reply never trains without its prompt); one
+    that does not fit the rest of a window starts the next, the rest padding (segment 0, mask 0); one longer than
+    a window keeps its first seq_len + 1 tokens, and the reader counts it."""
     records = [{"messages": CONVERSATIONS[name]} for name in CONVERSATIONS] * 3
     (code, _, _), out, _ = chat_data(capsys, tmp_path, records, "--eval-fraction", "0")
     assert code == 0
-    split = dataset.PackedSplit(out, "train", seq_len=16)
+    split = dataset.PackedSplit(out, "train", seq_len=seq_len)
     assert split.masked
     shard = read_manifest(out)["splits"]["train"]["shards"][0]
-    tokens, mask = np.load(out / shard["tokens"]), np.load(out / shard["mask"])
+    tokens, mask, ends = (np.load(out / shard[key]) for key in ("tokens", "mask", "docs"))
+    starts, span = [0, *ends[:-1]], seq_len + 1
+    conversations = [(s, e) for s, e in zip(starts, ends)]
+    seen = []
     for index in range(len(split)):
-        window, _ = split.window(index)
+        window, segments = split.window(index)
         got = split.mask_window(index)
-        stop = min(index * 16 + 17, len(tokens))
-        assert list(window[: stop - index * 16]) == list(tokens[index * 16 : stop])
-        assert list(got[: stop - index * 16]) == list(mask[index * 16 : stop])
-        assert not got[stop - index * 16 :].any()
+        inside = [(s, e) for s, e in conversations if split._bounds(index)[1] <= s < split._bounds(index)[2]]
+        first = inside[0][0]
+        assert first == split._bounds(index)[1], "a window starts where a conversation does"
+        length = min(inside[-1][1], first + span) - first
+        assert list(window[:length]) == list(tokens[first : first + length])
+        assert list(got[:length]) == list(mask[first : first + length])
+        assert not got[length:].any() and not segments[length:].any() and not window[length:].any()
+        assert list(np.unique(segments[:length])) == list(range(1, len(inside) + 1))
+        seen += inside
+    assert seen == conversations, "every conversation once, in order"
+    assert split.cut_conversations == sum(e - s > span for s, e in conversations)
+    assert (split.cut_conversations > 0) == (seq_len == 16)
     batch_tokens, segment_ids, batch_mask = dataset.Batches(split, 4, seed=1, vocab_size=1000).local_batch(2)
     assert batch_mask.shape == batch_tokens.shape and batch_mask.dtype == np.int32
     rows = [index for index in dataset.Batches(split, 4, seed=1, vocab_size=1000)._indices(2)]
@@ -387,6 +528,27 @@ def test_sharegpt_and_parquet(capsys, tmp_path):
     assert list(tokens) == want["one_turn"]["ids"] + want["empty_contents"]["ids"]
 
 
+@pytest.mark.parametrize("source_name", ["r.jsonl", "r.parquet"])
+def test_axgen_data_chat_passes_each_records_tools_and_kwargs_to_the_template(capsys, tmp_path, source_name):
+    """A JSON Lines record's, or a Parquet row's, `tools` (a JSON string, as datasets often store them) and
+    `chat_template_kwargs` reach the template: the dataset holds transformers' rendering of each."""
+    names = ["tools_offered_not_called", "thinking_switched_off"]
+    folder = tokenizer_dir(tmp_path, "qwen3")
+    source = tmp_path / source_name
+    if source_name.endswith(".parquet"):  # a tools column of JSON strings
+        names = names[:1]
+        record = RECORDS[names[0]]
+        pq.write_table(pa.table({"messages": [record["messages"]], "tools": [record["tools"]]}), source)
+    else:
+        source.write_text("".join(json.dumps(RECORDS[name]) + "\n" for name in names))
+    argv = ["data", source, "--chat", "--tokenizer", folder / "tokenizer.json", "--eval-fraction", "0"]
+    code, _, err = run(capsys, *argv, "--out", tmp_path / "ds")
+    assert code == 0, err
+    want = EXPECTED["fixtures"]["qwen3"]["records"]
+    tokens = np.load(tmp_path / "ds" / "train-00000.tokens.npy")
+    assert list(tokens) == [i for name in names for i in want[name]["ids"]]
+
+
 @pytest.mark.parametrize(
     ("record", "reason"),
     [
@@ -425,8 +587,15 @@ def test_a_template_that_raises_or_is_not_prefix_stable_names_the_record(capsys,
     base = ["data", source, "--chat", "--tokenizer", folder / "tokenizer.json", "--out", tmp_path / "ds"]
     message = error_of(capsys, *base, "--chat-template", folder / "strict.jinja")
     assert message == f"{source}:1: the chat template raises: System role not supported"
-    message = error_of(capsys, *base)
-    assert message.startswith(f"{source}:1: the rendering of messages 0-2 is not a prefix of the whole")
+    # A template whose turn does not begin with the generation prompt cannot say what the assistant wrote.
+    (folder / "late.jinja").write_text(
+        "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}A:{% endif %}"
+    )
+    message = error_of(capsys, *base, "--chat-template", folder / "late.jinja")
+    assert message == (
+        f"{source}:1: message 2 (assistant) does not render after the generation prompt before it, so the"
+        " generation prompt is not how this template starts an assistant turn"
+    )
 
 
 def test_chat_flags_need_chat(capsys, tmp_path):
@@ -448,3 +617,80 @@ def test_the_fixtures_are_what_sources_json_says():
         data = (FIXTURES / path).read_bytes()
         assert (hashlib.sha256(data).hexdigest(), len(data)) == (entry["sha256"], entry["bytes"]), path
     assert {f for f in EXPECTED["fixtures"]} == {path.split("/")[0] for path in sources if "/" in path}
+
+
+def test_content_parts_a_template_prints_as_a_python_list_are_refused(capsys, tmp_path):
+    """OpenAI-style parts, common in published SFT sets: a text-only template prints the list's repr (so does
+    transformers), which would be trained on; a template that reads the parts renders them."""
+    folder = tokenizer_dir(tmp_path, "meta-llama-3-8b-instruct")  # `content | trim`: the list's repr, trimmed
+    parts = [{"type": "text", "text": "Hi there"}]
+    record = {"messages": [{"role": "user", "content": parts}, {"role": "assistant", "content": "Hello"}]}
+    source = tmp_path / "c.jsonl"
+    source.write_text(json.dumps(record) + "\n")
+    base = ["data", source, "--chat", "--tokenizer", folder / "tokenizer.json", "--out", tmp_path / "ds"]
+    assert error_of(capsys, *base) == (
+        f"{source}:1: message 0 has its content as a list of parts, which the chat template prints as a Python"
+        " list; give the content as a string"
+    )
+    (folder / "parts.jinja").write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.content is string %}{{ m.content }}{% else %}"
+        "{% for p in m.content %}{{ p.text }}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    code, _, err = run(capsys, *base, "--chat-template", folder / "parts.jinja", "--eval-fraction", "0")
+    assert code == 0, err
+
+
+def test_a_chat_dataset_whose_masks_are_not_what_its_manifest_says_is_refused(capsys, tmp_path):
+    records = [{"messages": CONVERSATIONS[name]} for name in CONVERSATIONS]
+    (code, _, err), out, _ = chat_data(capsys, tmp_path, records, "--eval-fraction", "0")
+    assert code == 0, err
+    manifest_path = out / dataset.MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    shard = manifest["splits"]["train"]["shards"][0]
+    assert len(dataset.PackedSplit(out, "train", 16)) > 0
+
+    # Format 1 trains every token: a masked dataset labelled so would train the prompts.
+    manifest_path.write_text(json.dumps(dict(manifest, format=dataset.FORMAT)))
+    with pytest.raises(
+        dataset.DatasetError, match=f"format {dataset.FORMAT} trains every token, but its shard"
+    ):
+        dataset.PackedSplit(out, "train", 16)
+    manifest_path.write_text(json.dumps(manifest))
+
+    # A mask of zeros while the manifest counts trained tokens: a run that would train nothing at loss 0.
+    mask_file = out / shard["mask"]
+    np.save(mask_file, np.zeros_like(np.load(mask_file)))
+    with pytest.raises(
+        dataset.DatasetError, match=f"trains 0 tokens; its manifest says {shard['num_trained_tokens']}"
+    ):
+        dataset.PackedSplit(out, "train", 16)
+
+
+def test_sigterm_stops_axgen_data_chat_and_leaves_nothing_beside_its_output(tmp_path):
+    """A scheduler's SIGTERM ends `axgen data --chat` as Ctrl-C does: one line, exit 130, no staging folder."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import PROGRAM_ENV
+
+    folder = tokenizer_dir(tmp_path, "chatml-generation")
+    source = tmp_path / "many.jsonl"
+    record = json.dumps({"messages": CONVERSATIONS["system_and_two_turns"]}) + "\n"
+    source.write_text(record * 200_000)  # long enough to be stopped while it encodes
+    out = tmp_path / "ds"
+    argv = ["data", source, "--chat", "--tokenizer", folder / "tokenizer.json", "--out", out]
+    code = "import sys; from axgen.cli import main; sys.exit(main(sys.argv[1:]))"
+    process = subprocess.Popen(
+        [sys.executable, "-c", code, *map(str, argv)], env=PROGRAM_ENV, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 120
+    while not any(p.name.startswith(".ds") for p in tmp_path.iterdir()) and time.monotonic() < deadline:
+        assert process.poll() is None, process.stderr.read()
+        time.sleep(0.05)
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=120)
+    assert (process.returncode, stderr) == (130, "axgen: interrupted\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["chatml-generation", "many.jsonl"]

@@ -4,8 +4,11 @@
 Rendering. The template runs in jinja2's ImmutableSandboxedEnvironment with trim_blocks and lstrip_blocks, the
 loopcontrols extension, a `{% generation %}` tag, a `tojson` filter that does not escape HTML, and the globals
 `raise_exception`, `strftime_now`, `dict` and `namespace` (the last two limited as transformers limits them); it
-sees `messages`, `tools=None`, `documents=None`, `add_generation_prompt` and the tokenizer's named special tokens
-(`bos_token`, `eos_token`, ... from tokenizer_config.json). As transformers does, keys whose value is null are
+sees `messages`, `tools`, `documents`, `add_generation_prompt` and the tokenizer's named special tokens
+(`bos_token`, `eos_token`, ... from tokenizer_config.json). A record's `tools` and `documents` (each a list of
+objects, or a JSON string of one, as TRL reads them) are passed as apply_chat_template's arguments of those names,
+and its `chat_template_kwargs` (an object) as its other keyword arguments, which win over the special tokens'
+names as there; without them, `tools` and `documents` are None. As transformers does, keys whose value is null are
 dropped from each message, and a message's reasoning (`reasoning_content`, `thinking` or `reasoning`) is offered
 under both `thinking` and `reasoning_content`. `strftime_now` formats one moment per template (when it was
 loaded), so every conversation of a dataset carries the same date and the renderings of one conversation agree.
@@ -19,8 +22,13 @@ turns, and 0 for everything else (system, user and tool turns and the template's
   from the end of `render(messages[:i], add_generation_prompt=True)` (the prompt a model is given) to the end of
   `render(messages[:i + 1])` is what the model must generate; whitespace the template writes after the end of the
   turn is left out (generation stops at the end-of-turn token, so nothing after it is generated). Both renderings
-  must be prefixes of the whole conversation's: a template that renders earlier turns differently once later ones
-  follow (one that drops old reasoning, say) cannot be split this way, and the conversation is refused.
+  must be prefixes of the whole conversation's for the conversation to train as one example.
+* A template that renders earlier turns differently once later ones follow (Qwen3 drops a turn's reasoning once a
+  user turn follows it; Phi-3.5 ends a conversation with eos only when it is the whole one) cannot be split so.
+  Such a conversation trains as its users train it: one example per assistant turn, each the rendering of the
+  conversation up to that turn (as the model sees it when it writes that turn), training that turn only. The
+  manifest counts these conversations and their examples (`per_turn`). A turn whose rendering does not start with
+  its generation prompt is still refused.
 
 The tokens trained are those from the one holding the first character of the assistant's text to the one
 holding its last, as transformers' `char_to_token` picks them.
@@ -173,8 +181,18 @@ class ChatTemplate:
     """A compiled chat template with the special tokens it is rendered with. `source` names where it came from
     (a file, or `builtin:chatml`) for messages and the manifest."""
 
-    def __init__(self, text: str, source: str, special_tokens: dict[str, str], now: datetime | None = None):
+    def __init__(
+        self,
+        text: str,
+        source: str,
+        special_tokens: dict[str, str],
+        now: datetime | None = None,
+        tool_use: "ChatTemplate | None" = None,
+    ):
         self.text, self.source, self.special_tokens = text, source, dict(special_tokens)
+        # The tokenizer's named "tool_use" template beside its "default": transformers renders a conversation
+        # given tools with it.
+        self.tool_use = tool_use
         self.sha256 = hashlib.sha256(text.encode()).hexdigest()
         self.marks_generation = bool(GENERATION_TAG.search(text))
         environment = _environment(now or datetime.now())
@@ -186,48 +204,78 @@ class ChatTemplate:
             ) from None
         self.tracker = next(e for e in environment.extensions.values() if isinstance(e, _GenerationTracker))
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        """The conversation as `apply_chat_template(messages, tokenize=False)` renders it."""
-        return self._render(messages, add_generation_prompt, None)
+    def render(
+        self, messages: list[dict], add_generation_prompt: bool = False, variables: dict | None = None
+    ) -> str:
+        """The conversation as `apply_chat_template(messages, tokenize=False, **variables)` renders it, where
+        `variables` are those `template_variables` gives."""
+        if self.tool_use is not None and (variables or {}).get("tools") is not None:
+            return self.tool_use.render(messages, add_generation_prompt, variables)
+        return self._render(messages, add_generation_prompt, None, variables or {})
 
-    def assistant_spans(self, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-        """The rendered conversation and the character spans of its assistant's text (module docstring)."""
+    def assistant_spans(
+        self, messages: list[dict], variables: dict | None = None
+    ) -> tuple[str, list[tuple[int, int]]]:
+        """The rendered conversation and the character spans of its assistant's text (module docstring), or
+        TemplateRaised where the turns cannot be told apart in one rendering (`examples` then splits it)."""
+        examples, _ = self.examples(messages, variables, per_turn=False)
+        return examples[0]
+
+    def examples(
+        self, messages: list[dict], variables: dict | None = None, per_turn: bool = True
+    ) -> tuple[list[tuple[str, list[tuple[int, int]]]], bool]:
+        """(rendered text, character spans to train) of each example the conversation trains as: itself whole,
+        or (with `per_turn`, where the template renders earlier turns differently once later ones follow) one
+        example per assistant turn (module docstring); and whether it was split so."""
+        if self.tool_use is not None and (variables or {}).get("tools") is not None:
+            return self.tool_use.examples(messages, variables, per_turn)
+        variables = variables or {}
         if self.marks_generation:
             spans: list[tuple[int, int]] = []
-            return self._render(messages, False, spans), spans
-        whole = self.render(messages)
-        spans = []
-        for i, message in enumerate(messages):
-            if message.get("role") != "assistant":
-                continue
-            prompt = self.render(messages[:i], add_generation_prompt=True)
-            turn = self.render(messages[: i + 1])
+            return [(self._render(messages, False, spans, variables), spans)], False
+        whole = self.render(messages, variables=variables)
+        turns = [
+            self._turn(messages, i, variables) for i, m in enumerate(messages) if m.get("role") == "assistant"
+        ]
+        for i, prompt, turn in turns:
             for name, prefix in (("prompt", prompt), ("rendering", turn)):
                 if not whole.startswith(prefix):
+                    if per_turn:
+                        return [(turn, [_span(prompt, turn)]) for _, prompt, turn in turns], True
                     raise TemplateRaised(
                         f"the {name} of messages 0-{i - 1 if name == 'prompt' else i} is not a prefix of the whole"
                         " conversation's rendering, so the assistant's turns cannot be told apart"
                     )
-            if len(turn) < len(prompt):
-                raise TemplateRaised(
-                    f"message {i} (assistant) renders shorter than the generation prompt before it, so the"
-                    " generation prompt is not how this template starts an assistant turn"
-                )
-            spans.append((len(prompt), max(len(prompt), len(turn.rstrip()))))
-        return whole, spans
+        return [(whole, [_span(prompt, turn) for _, prompt, turn in turns])], False
 
-    def _render(self, messages: list[dict], add_generation_prompt: bool, spans: list | None) -> str:
-        variables = {
+    def _turn(self, messages: list[dict], i: int, variables: dict) -> tuple[int, str, str]:
+        """(i, the generation prompt before assistant message i, the rendering up to and with it)."""
+        prompt = self.render(messages[:i], add_generation_prompt=True, variables=variables)
+        turn = self.render(messages[: i + 1], variables=variables)
+        if not turn.startswith(prompt):
+            raise TemplateRaised(
+                f"message {i} (assistant) does not render after the generation prompt before it, so the"
+                " generation prompt is not how this template starts an assistant turn"
+            )
+        return i, prompt, turn
+
+    def _render(
+        self, messages: list[dict], add_generation_prompt: bool, spans: list | None, variables: dict
+    ) -> str:
+        given = dict(variables)
+        keywords = given.pop("chat_template_kwargs", {})
+        context = {
             **self.special_tokens,
+            **keywords,
             "messages": messages,
-            "tools": None,
-            "documents": None,
+            "tools": given.get("tools"),
+            "documents": given.get("documents"),
             "add_generation_prompt": add_generation_prompt,
         }
         self.tracker.spans, self.tracker.rendered = spans, 0
         chunks = []
         try:
-            for chunk in self.template.generate(**variables):
+            for chunk in self.template.generate(**context):
                 chunks.append(chunk)
                 self.tracker.rendered += len(chunk)
         # A template is a program from the tokenizer's author: whatever it raises (raise_exception's TemplateError,
@@ -239,11 +287,33 @@ class ChatTemplate:
         return "".join(chunks)
 
     def manifest_entry(self) -> dict:
-        return {
+        entry = {
             "source": self.source,
             "sha256": self.sha256,
             "assistant_text": "generation marks" if self.marks_generation else "prefix renderings",
         }
+        if self.tool_use is not None:
+            entry["with_tools"] = self.tool_use.manifest_entry()
+        return entry
+
+
+def _parts_printed_as_lists(messages: list[dict], examples: list) -> int | None:
+    """The index of a message whose content is a list of parts (OpenAI's `[{"type": "text", "text": ...}]`) that
+    the template printed as the Python repr of the list, as a text-only template does (transformers' rendering
+    too): the model would train on the repr."""
+    for index, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, list) and content:
+            first = repr(content[0])[:20]
+            if any(first in text for text, _ in examples):
+                return index
+    return None
+
+
+def _span(prompt: str, turn: str) -> tuple[int, int]:
+    """What the assistant writes: the turn's rendering after its generation prompt, without the whitespace the
+    template puts after the end of the turn (generation stops at the end-of-turn token)."""
+    return len(prompt), max(len(prompt), len(turn.rstrip()))
 
 
 def load_chat_template(
@@ -257,8 +327,9 @@ def load_chat_template(
     """The chat template to render conversations with: `choice` is `chatml` (the built-in), a template file, or the
     name of one of the tokenizer's named templates; without it, the tokenizer's own: a chat_template.jinja beside
     its tokenizer.json (which transformers prefers), else tokenizer_config.json's `chat_template` (a string, or a
-    list of named templates, of which "default"). `bos`/`eos` (--bos/--eos) replace the config's tokens, as
-    keyword arguments to apply_chat_template would."""
+    list of named templates, of which "default", with "tool_use" for records that carry tools, as transformers
+    picks them). `bos`/`eos` (--bos/--eos) replace the config's tokens, as keyword arguments to apply_chat_template
+    would."""
     config_path = tokenizer.path.with_name(CONFIG)
     config = read_tokenizer_config(config_path)
     special = _special_tokens(tokenizer, config, {"bos_token": bos, "eos_token": eos})
@@ -287,7 +358,10 @@ def load_chat_template(
         source = (
             f"{config_path}" if isinstance(config.get("chat_template"), str) else f"{config_path} (default)"
         )
-        return ChatTemplate(named["default"], source, special, now)
+        tool_use = named.get("tool_use")
+        if tool_use is not None:
+            tool_use = ChatTemplate(tool_use, f"{config_path} (tool_use)", special, now)
+        return ChatTemplate(named["default"], source, special, now, tool_use)
     if named:
         raise DataError(
             f"{config_path}: chat_template holds {', '.join(named)} but no \"default\"; pass --chat-template NAME"
@@ -385,6 +459,34 @@ def messages_of(conversation: object, sharegpt: bool) -> tuple[list[dict] | None
     return messages, ""
 
 
+def template_variables(given: dict) -> tuple[dict | None, str]:
+    """A record's template variables (`axgen.data.inputs.TEMPLATE_VARIABLES`) as the template sees them, or None
+    and why they cannot be: `tools` and `documents` lists of objects (a JSON string of one is read), and
+    `chat_template_kwargs` an object whose keys do not name what apply_chat_template sets itself."""
+    variables = {}
+    for name, value in given.items():
+        if name in ("tools", "documents") and isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as err:
+                return None, f'"{name}" is a string that is not JSON ({err.msg} at column {err.colno})'
+        if name in ("tools", "documents"):
+            if not (isinstance(value, list) and all(isinstance(item, dict) for item in value)):
+                return None, f'"{name}" is {_described(value)}, not an array of objects'
+        elif name == "chat_template_kwargs":
+            if not isinstance(value, dict):
+                return None, f'"chat_template_kwargs" is {_described(value)}, not an object'
+            taken = sorted(set(value) & RESERVED_VARIABLES)
+            if taken:
+                return None, f'"chat_template_kwargs" sets {", ".join(taken)}, which the renderer sets itself'
+        variables[name] = value
+    return variables, ""
+
+
+# What apply_chat_template passes itself: a record's chat_template_kwargs may not replace them.
+RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
 def _described(value: object) -> str:
     if isinstance(value, list) and not value:
         return "an empty array"
@@ -405,6 +507,10 @@ class ConversationCounts:
     dropped_too_long: int = 0
     trained_tokens: int = 0
     examples: list[str] = field(default_factory=list)
+    # Conversations the template renders differently turn by turn, and the examples (one per assistant turn, each
+    # counted in `conversations` too) they were split into.
+    per_turn_conversations: int = 0
+    per_turn_examples: int = 0
 
     def manifest_entry(self) -> dict:
         return {
@@ -414,6 +520,12 @@ class ConversationCounts:
             "truncated": self.truncated,
             "dropped_too_long": self.dropped_too_long,
             "dropped_examples": self.examples,
+            "per_turn": {
+                "policy": "a conversation whose earlier turns render differently once later ones follow trains as"
+                " one example per assistant turn, each rendered up to that turn, training that turn only",
+                "conversations": self.per_turn_conversations,
+                "examples": self.per_turn_examples,
+            },
         }
 
 
@@ -443,7 +555,7 @@ def cut_to(ids: np.ndarray, mask: np.ndarray, max_len: int) -> tuple[np.ndarray,
 
 
 def encode_conversations(
-    conversations: Iterable[tuple[str, object]],
+    conversations: Iterable[tuple[str, object, dict]],
     template: ChatTemplate,
     tokenizer: LoadedTokenizer,
     *,
@@ -451,22 +563,36 @@ def encode_conversations(
     skipped: Skipped,
     counts: ConversationCounts,
 ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """(token ids, loss mask) of each conversation ((where, record value) pairs, in order) that renders and trains
+    """(token ids, loss mask) of each conversation ((where, record value, template variables), in order: what
+    `axgen.data.inputs.read_conversations` gives) that renders and trains
     at least one token, cut to `counts.max_len`; the others are bad records, given to `skipped` with their
     reason. Conversations are rendered here while the tokenizer encodes the previous batch on every core."""
 
     def rendered() -> Iterator[tuple[str, str, list]]:
-        for where, conversation in conversations:
+        for where, conversation, given in conversations:
             messages, why = messages_of(conversation, sharegpt)
-            if messages is None:
-                skipped.bad(where, why)
+            variables, why_not = template_variables(given)
+            if messages is None or variables is None:
+                skipped.bad(where, why or why_not)
                 continue
             try:
-                text, spans = template.assistant_spans(messages)
+                examples, per_turn = template.examples(messages, variables)
             except TemplateRaised as err:
                 skipped.bad(where, str(err))
                 continue
-            yield where, text, spans
+            printed = _parts_printed_as_lists(messages, examples)
+            if printed is not None:
+                skipped.bad(
+                    where,
+                    f"message {printed} has its content as a list of parts, which the chat template prints as a"
+                    " Python list; give the content as a string",
+                )
+                continue
+            if per_turn:
+                counts.per_turn_conversations += 1
+                counts.per_turn_examples += len(examples)
+            for text, spans in examples:
+                yield where, text, spans
 
     def batches() -> Iterator[list[tuple[str, str, list]]]:
         batch, chars = [], 0

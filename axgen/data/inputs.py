@@ -143,12 +143,18 @@ def _json_records(path: Path, skipped: Skipped) -> Iterator[tuple[str, object]]:
                 skipped.bad(where, f"not valid JSON: {err.msg}: column {err.colno}{hint}")
 
 
+# What a record may carry for its chat template besides the conversation, by the names TRL's datasets use:
+# `tools` and `documents` reach the template as apply_chat_template's arguments of those names, and the entries of
+# `chat_template_kwargs` as its other keyword arguments (Qwen3's enable_thinking, say).
+TEMPLATE_VARIABLES = ("tools", "documents", "chat_template_kwargs")
+
+
 def read_conversations(
     files: Iterable[Path], field: str, column: str, skipped: Skipped
-) -> Iterator[tuple[str, object]]:
-    """(where, value) of each record's conversation: a JSON Lines record's `field`, a Parquet row's `column` (as
-    Python lists and dicts); whether the value is a conversation is the caller's to check. Plain text holds no
-    records, so a .txt input is refused."""
+) -> Iterator[tuple[str, object, dict]]:
+    """(where, value, template variables) of each record: a JSON Lines record's `field`, a Parquet row's `column`
+    (as Python lists and dicts), and those of TEMPLATE_VARIABLES the record holds (not null); whether they are
+    what they should be is the caller's to check. Plain text holds no records, so a .txt input is refused."""
     for path in files:
         suffix = path.suffix.lower()
         if suffix == ".txt":
@@ -158,15 +164,16 @@ def read_conversations(
             continue
         for where, record in _json_records(path, skipped):
             if isinstance(record, dict) and field in record:
-                yield where, record[field]
+                variables = {k: record[k] for k in TEMPLATE_VARIABLES if record.get(k) is not None}
+                yield where, record[field], variables
             elif isinstance(record, dict):
                 skipped.bad(where, f'no field "{field}" (keys: {", ".join(record) or "none"}); pass --field')
             else:
                 skipped.bad(where, f'a JSON {_json_type(record)}, not an object with a field "{field}"')
 
 
-def _parquet_lists(path: Path, column: str, skipped: Skipped) -> Iterator[tuple[str, object]]:
-    """A list column, row by row, batch by batch."""
+def _parquet_lists(path: Path, column: str, skipped: Skipped) -> Iterator[tuple[str, object, dict]]:
+    """A list column, row by row, batch by batch, with the row's template variables."""
     file = _parquet_file(path)
     schema = file.schema_arrow
     if column not in schema.names:
@@ -174,14 +181,17 @@ def _parquet_lists(path: Path, column: str, skipped: Skipped) -> Iterator[tuple[
     kind = schema.field(column).type
     if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)):
         raise DataError(f'{path}: column "{column}" holds {kind}, not lists of messages; pass --column')
+    extra = [name for name in TEMPLATE_VARIABLES if name in schema.names and name != column]
     row = 0
     try:
-        for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[column]):
-            for value in batch.column(0).to_pylist():
+        for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[column, *extra]):
+            rows = zip(*(batch.column(i).to_pylist() for i in range(1 + len(extra))))
+            for value, *others in rows:
                 if value is None:
                     skipped.bad(f"{path}: row {row}", f'"{column}" is null')
                 else:
-                    yield f"{path}: row {row}", value
+                    variables = {k: v for k, v in zip(extra, others) if v is not None}
+                    yield f"{path}: row {row}", value, variables
                 row += 1
     except pa.ArrowException as err:
         raise DataError(f"{path}: unreadable after row {row}: {first_line(err)}") from None

@@ -156,6 +156,11 @@ def open_shard(directory, shard: dict, token_dtype: str, masked: bool = False):
     """A shard's tokens, each document's end offset and (in a masked dataset, else None) its loss mask,
     memory-mapped, after checking them against the manifest."""
     arrays = {}
+    if not masked and "mask" in shard:
+        raise DatasetError(
+            f"{os.path.join(directory, MANIFEST)}: format {FORMAT} trains every token, but its shard"
+            f" {shard['tokens']} has a loss mask ({shard['mask']}): a masked dataset is {MASKED_FORMAT}"
+        )
     for key in ("tokens", "docs", "mask") if masked else ("tokens", "docs"):
         if key not in shard:
             raise DatasetError(
@@ -193,15 +198,31 @@ def open_shard(directory, shard: dict, token_dtype: str, masked: bool = False):
             f"shard {os.path.join(directory, shard['mask'])} holds {len(mask)} {mask.dtype} values; a loss mask"
             f" holds one uint8 for each of the {len(tokens)} tokens of {tokens_path}"
         )
+    if mask is not None:
+        # The manifest's count is what `axgen data` trained; a mask that says otherwise (all zeros, say: a run
+        # that trains nothing at loss 0) is not the dataset it describes.
+        trained = int(np.count_nonzero(mask))
+        if trained != shard.get("num_trained_tokens"):
+            raise DatasetError(
+                f"shard {os.path.join(directory, shard['mask'])} trains {trained} tokens; its manifest says"
+                f" {shard.get('num_trained_tokens')}"
+            )
     return tokens, ends, mask
 
 
 class PackedSplit:
-    """One split of a dataset cut into windows of seq_len + 1 tokens. Documents lie back to back in each shard,
-    so a window packs whole documents and parts of those at its edges; consecutive windows share one token, so
-    every token is a target once. Each window comes with segment ids that number its documents from 1; a shard's
-    last window is padded with segment 0, which no loss counts. `masked` says whether the dataset holds loss
-    masks (format 2); `mask_window` gives each window's."""
+    """One split of a dataset cut into windows of seq_len + 1 tokens. Each window comes with segment ids that
+    number its documents from 1; padding is segment 0, which no loss counts. `masked` says whether the dataset
+    holds loss masks (format 2); `mask_window` gives each window's.
+
+    Plain text: documents lie back to back in each shard, so a window packs whole documents and parts of those at
+    its edges; consecutive windows share one token, so every token is a target once, and only a shard's last
+    window is padded.
+
+    Conversations (format 2): a window packs whole conversations, and one that does not fit what is left of a
+    window starts the next, the rest padded, so a reply never trains in a window without its prompt. A
+    conversation longer than a window is cut at that window's end and its rest not trained (`cut_conversations`
+    counts them; `axgen data --max-len` at most seq_len + 1 keeps every one whole)."""
 
     def __init__(self, directory, split: str, seq_len: int):
         manifest = read_manifest(directory)
@@ -213,8 +234,21 @@ class PackedSplit:
         self.files = [os.path.join(directory, shard["tokens"]) for shard in shards]
         self.mask_files = [os.path.join(directory, shard.get("mask", "")) for shard in shards]
         self.seq_len = seq_len
-        windows = [max(1, math.ceil((len(tokens) - 1) / seq_len)) for tokens, _ in self.shards]
-        self.first_window = np.cumsum([0, *windows])
+        if self.masked:
+            packed = [_whole_conversations(ends, seq_len + 1) for _, ends in self.shards]
+            self.starts, self.stops = [starts for starts, _, _ in packed], [stops for _, stops, _ in packed]
+            self.cut_conversations = sum(cut for _, _, cut in packed)
+        else:
+            self.starts = [
+                np.arange(max(1, math.ceil((len(tokens) - 1) / seq_len))) * seq_len
+                for tokens, _ in self.shards
+            ]
+            self.stops = [
+                np.minimum(starts + seq_len + 1, len(tokens))
+                for starts, (tokens, _) in zip(self.starts, self.shards)
+            ]
+            self.cut_conversations = 0
+        self.first_window = np.cumsum([0, *map(len, self.starts)])
 
     def __len__(self):
         return int(self.first_window[-1])
@@ -225,8 +259,8 @@ class PackedSplit:
 
     def _bounds(self, index):
         shard = self.shard_of(index)
-        start = (index - self.first_window[shard]) * self.seq_len
-        return shard, start, min(start + self.seq_len + 1, len(self.shards[shard][0]))
+        within = index - self.first_window[shard]
+        return shard, int(self.starts[shard][within]), int(self.stops[shard][within])
 
     def window(self, index):
         """Tokens and segment ids, each [seq_len + 1] int32, of window `index`."""
@@ -249,6 +283,26 @@ class PackedSplit:
         mask = np.zeros(self.seq_len + 1, np.int32)
         mask[: stop - start] = 1 if self.masks[shard] is None else self.masks[shard][start:stop]
         return mask
+
+
+def _whole_conversations(ends, span: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """(start, stop) offsets of windows of at most `span` tokens that each hold whole conversations (their end
+    offsets `ends`), greedily in order; a conversation longer than `span` gets a window of its first `span` tokens.
+    Returns the starts, the stops, and how many conversations were cut so."""
+    starts, stops, cut = [], [], 0
+    window = begin = 0
+    for end in ends.tolist():
+        if end - window > span:  # it does not fit what is left: the window closes before it
+            if begin > window:
+                starts.append(window), stops.append(begin)
+            window = begin
+            if end - begin > span:
+                starts.append(begin), stops.append(begin + span)
+                cut, window = cut + 1, end
+        begin = end
+    if begin > window or not starts:
+        starts.append(window), stops.append(begin)
+    return np.array(starts, np.int64), np.array(stops, np.int64), cut
 
 
 class Batches:

@@ -228,6 +228,14 @@ def open_data(program: Program, args):
     vocab_size = config["vocab_size"]
     check_vocabulary(args.data, vocab_size, config["spec"])
     train = PackedSplit(args.data, "train", config["seq_len"])
+    if train.cut_conversations:
+        span = config["seq_len"] + 1
+        print(
+            f"warning: {args.data}: {train.cut_conversations} conversations are longer than a window of seq_len + 1"
+            f" = {span} tokens, so each trains only its first {span} (`axgen data --max-len {span}` cuts them"
+            " between turns instead)",
+            file=sys.stderr,
+        )
     batches = Batches(train, args.batch, config["seed"], vocab_size, documents=documents)
     if not args.eval_every:
         return batches, None, 0
