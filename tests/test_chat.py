@@ -145,7 +145,7 @@ def test_a_records_tools_documents_and_template_kwargs_render_as_in_transformers
         return
     assert template.render(messages, variables=variables) == want["text"]
     skipped, counts = Skipped(False), ConversationCounts(max_len=None)
-    item = ("r", record["messages"], variables_of(record))
+    item = ("r", messages, variables_of(record))
     pairs = list(
         encode_conversations([item], template, tokenizer, sharegpt=False, skipped=skipped, counts=counts)
     )
@@ -154,57 +154,6 @@ def test_a_records_tools_documents_and_template_kwargs_render_as_in_transformers
         assert [list(ids) for ids, _ in pairs] == [turn["ids"] for turn in want["turns"]]
         assert [len(trained_pieces(tokenizer, ids, mask)) for ids, mask in pairs] == [1, 1]
         return
-    ids, mask = pairs[0]
-    assert list(ids) == want["ids"]
-    assert list(mask) == want["assistant_masks"]
-
-
-RECORDS = json.loads((FIXTURES / "records.json").read_text())
-RECORD_CASES = [(f, r) for f, fixture in EXPECTED["fixtures"].items() for r in fixture["records"]]
-
-
-def variables_of(record: dict) -> dict:
-    return {key: value for key, value in record.items() if key != "messages"}
-
-
-@pytest.mark.parametrize(("fixture", "name"), RECORD_CASES)
-def test_a_records_tools_documents_and_template_kwargs_render_as_in_transformers(tmp_path, fixture, name):
-    """Tools (a list, or a JSON string of one), documents and chat_template_kwargs reach the template as TRL passes
-    them to apply_chat_template; the text, ids and (with generation marks) masks are transformers'."""
-    tokenizer, template = loaded(tmp_path, fixture)
-    record, want = RECORDS[name], EXPECTED["fixtures"][fixture]["records"][name]
-    messages, variables = record["messages"], template_variables(variables_of(record))[0]
-    if "error" in want:
-        with pytest.raises(TemplateRaised, match=re.escape(want["error"])):
-            template.render(messages, variables=variables)
-        return
-    assert template.render(messages, variables=variables) == want["text"]
-    skipped, counts = Skipped(False), ConversationCounts(max_len=None)
-    if fixture in PER_TURN and sum(m["role"] == "assistant" for m in messages) > 1:
-        # As test_prefix_masks_cover_each_assistant_turn_and_its_end: one example per assistant turn.
-        pairs = list(
-            encode_conversations(
-                [("r", messages, variables_of(record))],
-                template,
-                tokenizer,
-                sharegpt=False,
-                skipped=skipped,
-                counts=counts,
-            )
-        )
-        assert [list(ids) for ids, _ in pairs] == [turn["ids"] for turn in want["turns"]]
-        assert [len(trained_pieces(tokenizer, ids, mask)) for ids, mask in pairs] == [1, 1]
-        return
-    pairs = list(
-        encode_conversations(
-            [("r", record["messages"], variables_of(record))],
-            template,
-            tokenizer,
-            sharegpt=False,
-            skipped=skipped,
-            counts=counts,
-        )
-    )
     ids, mask = pairs[0]
     assert list(ids) == want["ids"]
     if "assistant_masks" in want:
