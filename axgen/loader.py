@@ -39,11 +39,21 @@ def bundled_specs() -> list[Path]:
 
 
 def spec_path(argument: str | Path) -> Path:
-    """A spec file's path, or a bundled spec's name (`llama_tiny`) as the path of that spec."""
+    """A spec file's path; a bundled spec's name (`llama_tiny`); or an importable module's dotted path
+    (`axgen.specs.llama_tiny`, `mypackage.specs.model`): as the path of that spec's file."""
     path = Path(argument)
+    if path.exists():
+        return path
     bundled = BUNDLED_SPECS / f"{argument}.py"
-    if not path.exists() and re.fullmatch(r"\w+", str(argument)) and bundled.is_file():
+    if re.fullmatch(r"\w+", str(argument)) and bundled.is_file():
         return bundled
+    if re.fullmatch(r"\w+(\.\w+)+", str(argument)) and path.suffix != ".py":
+        try:
+            found = importlib.util.find_spec(str(argument))
+        except (ImportError, ValueError):
+            found = None
+        if found is not None and found.origin and found.origin.endswith(".py"):
+            return Path(found.origin)
     return path
 
 

@@ -245,6 +245,11 @@ def test_a_bundled_spec_is_named_without_its_path(tmp_path, capsys):
     out = tmp_path / "o.py"
     assert axgen(["build", "llama_tiny", "--target", "cpu-1", "--out", str(out)]) == 0
     assert "# Regenerate: axgen build llama_tiny --target cpu-1" in out.read_text()
+    by_module = (
+        tmp_path / "m.py"
+    )  # or by its module's dotted path, as `from axgen.specs.llama_tiny import spec`
+    assert axgen(["build", "axgen.specs.llama_tiny", "--target", "cpu-1", "--out", str(by_module)]) == 0
+    assert by_module.read_text() == out.read_text()
     capsys.readouterr()
     assert axgen(["build", "lama_tiny", "--target", "cpu-1", "--out", str(tmp_path / "p.py")]) == 2
     assert capsys.readouterr().err == (

@@ -24,19 +24,11 @@ from pathlib import Path
 from axgen.backends import Plan, plan_for
 from axgen.backends.common import GIB
 from axgen.build import build, output_name
-from axgen.analysis.hlo_cost import hlo_cost
+from axgen.analysis.hlo_cost import COLLECTIVES, hlo_cost
 from axgen.loader import load_spec
 from axgen.runtime.kernels import ATTENTION_KERNELS, GROUPED_MATMUL_KERNELS
 from axgen.spec import MeshRule, Remat, display_path
 
-COLLECTIVES = (
-    "all-gather",
-    "all-reduce",
-    "reduce-scatter",
-    "all-to-all",
-    "collective-permute",
-    "ragged-all-to-all",
-)
 _ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception): .*)$", re.MULTILINE)
 # Whole op names: all-to-all( inside ragged-all-to-all( is not one.
 _COLLECTIVE = re.compile(r"(?<![\w-])(" + "|".join(COLLECTIVES) + r")(?:-start)?\(")

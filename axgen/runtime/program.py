@@ -61,8 +61,8 @@ class Program:
         if built_with is None or _minor(built_with) != _minor(runtime):
             raise IncompatibleProgram(
                 f"{getattr(module, '__file__', module.__name__)} was built by axgen {built_with or 'before 0.2'} and"
-                f" this runtime (axgen {runtime}) runs programs of axgen {_minor(runtime)}.x: rebuild it with"
-                f" `axgen build`, or install axgen=={built_with}"
+                f" this runtime (axgen {runtime}) runs programs of axgen {_minor(runtime)}.x: rebuild it as its"
+                f" second line says (`# Regenerate: axgen build ...`), or run it with the axgen that built it"
             )
         missing = [name for name in names.values() if not hasattr(module, name)]
         if missing:
