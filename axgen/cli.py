@@ -63,7 +63,7 @@ USER_ERRORS = {
     "axgen.analysis.report": "ReportError",
     "axgen.data.inputs": "DataError",
     "axgen.files": "OutputError",
-    "axgen.hf.import_config": "HFImportError",
+    "axgen.hf.config": "HFImportError",
     "axgen.interop": "CheckpointError",
 }
 
@@ -323,6 +323,13 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="write routed experts as transformers 5 holds them in memory (default: one tensor per expert, as "
         "the family's published checkpoints)",
+    )
+    x.add_argument(
+        "--base",
+        type=_path,
+        help="the published model folder the run started from: its config.json's keys are kept wherever the spec "
+        "agrees (the spec's are written where it does not), its generation_config.json copied; pass the same "
+        "folder as --tokenizer to copy its tokenizer too",
     )
     x.add_argument(
         "--tokenizer", type=_path, help="tokenizer.json (or its folder) to copy, with its config files"
@@ -679,6 +686,7 @@ def _export_hf(args) -> int:
         args.force,
         args.fused_experts,
         args.chat_template,
+        args.base,
     )
     size = sum(bytes_ for _, bytes_ in written.values())
     print(f"wrote {args.out}: {len(written)} tensors of {spec.name} in {dtype}, {size / 2**30:.2f} GiB")

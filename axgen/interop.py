@@ -4,9 +4,11 @@
     params = hf_to_params(safetensors.numpy.load_file("model.safetensors"), spec)
     logits = program.forward(params, tokens)      # tokens: int32 [batch, seq]
 
-Reads checkpoints of every HF family whose params the spec's graph names, in the names transformers 5 gives
-them in memory (routed experts fused; `axgen.hf.families` maps the Hub's one tensor per expert onto them): Llama,
-Mistral, Mixtral, Qwen2, Qwen3, Qwen2-MoE and Gemma 2 are tested.
+Reads checkpoints of every HF family axgen writes (Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE,
+Gemma 2 and 3, gpt-oss, DeepSeek-V2 and V3) in the family's names, as its adapter states them
+(`axgen.hf.adapter.Family.from_hf`): routed experts fused as transformers 5 holds them in memory or one tensor per
+expert as the Hub does, DeepSeek's `shared_experts`, gpt-oss's MXFP4 experts and DeepSeek-V3's FP8 blocks
+dequantized.
 """
 
 from __future__ import annotations
@@ -49,31 +51,55 @@ class CheckpointError(ValueError):
     """One line naming the tensor (and file) of a checkpoint that does not fit the spec."""
 
 
-def hf_to_params(state_dict, spec: Model, dtype=np.float32) -> dict:
+def hf_to_params(state_dict, spec: Model, dtype=np.float32, fp8_block: tuple[int, int] | None = None) -> dict:
     """A Hugging Face state dict (name -> array, or a .safetensors path) as the emitted program's params.
 
-    Every param of the spec's graph says where it lives in an HF checkpoint (`Param.hf`, set by the graph
-    builder and by the pass that made the param): the tensor's name, with `{layer}` for the layer index, whether
-    torch stores it [out, in], and which part of a fused tensor it is. Params of a block are stacked over its
-    layers in the order the scan runs them. A param that HF checkpoints lack (an fp8 amax history) starts
-    from its init, zeros. `dtype=None` keeps each tensor's own dtype.
+    The state dict is read in the names of the spec's family (`axgen.hf.families`), either expert layout. Every param
+    of the spec's graph says where it lives in an HF checkpoint (`Param.hf`, set by the graph builder and by the
+    pass that made the param): the tensor's name, with `{layer}` for the layer index, whether torch stores it
+    [out, in], and which part of a fused tensor it is. Params of a block are stacked over its layers in the order
+    the scan runs them. A param that HF checkpoints lack (an fp8 amax history) starts from its init, zeros.
+    `dtype=None` keeps each tensor's own dtype. FP8 blocks are `fp8_block` (rows, columns) in size: the
+    quantization_config's weight_block_size, which a .safetensors path's config.json beside it states.
     """
+    from axgen.hf.families import FAMILIES, family_name
+    from axgen.hf.storage import fp8_block_size
+
+    source = "the checkpoint"
     if isinstance(state_dict, (str, Path)):
         from safetensors.numpy import load_file
 
-        state_dict = load_file(str(state_dict))
+        source = str(state_dict)
+        state_dict = load_file(source)
+    if fp8_block is not None:
+        block_size = lambda scale: fp8_block  # noqa: E731
+    elif source != "the checkpoint":
+        block_size = lambda scale: fp8_block_size(Path(source).parent, scale)  # noqa: E731
+    else:
+
+        def block_size(scale: str):
+            raise CheckpointError(
+                f"the checkpoint holds {scale!r}: pass fp8_block=(rows, columns) of its blocks"
+            )
+
+    view = FAMILIES[family_name(spec)].from_hf(state_dict, spec, hf_shapes(spec), source, block_size)
+    return params_of(view, spec, dtype)
+
+
+def params_of(checkpoint, spec: Model, dtype=np.float32) -> dict:
+    """`hf_to_params` of a checkpoint already in the params' names (`Family.from_hf`'s view)."""
     params: dict = {}
     for block, param, layers in hf_layout(spec):
         if layers is None:
-            params[param.key] = _hf_tensor(state_dict, param, None, dtype)
+            params[param.key] = _hf_tensor(checkpoint, param, None, dtype)
             continue
-        first = _hf_tensor(state_dict, param, layers[0], dtype)
+        first = _hf_tensor(checkpoint, param, layers[0], dtype)
         stacked = np.empty(
             (len(layers), *first.shape), first.dtype
         )  # filled a layer at a time: no second copy
         stacked[0] = first
         for row, layer in enumerate(layers[1:], 1):
-            stacked[row] = _hf_tensor(state_dict, param, layer, dtype)
+            stacked[row] = _hf_tensor(checkpoint, param, layer, dtype)
         params.setdefault(block, {})[param.key] = stacked
     return params
 
@@ -94,9 +120,11 @@ def hf_layout(spec: Model) -> list[tuple[str | None, Param, list[int] | None]]:
 
 
 def params_to_hf(params: dict, spec: Model, dtype=None) -> dict[str, np.ndarray]:
-    """The inverse of `hf_to_params`: the HF state dict of a program's params, each tensor in `dtype` (None: as
-    stored)."""
-    return dict(iter_hf_tensors(params, spec, dtype))
+    """The inverse of `hf_to_params`: the HF state dict of a program's params in its family's names as transformers
+    5 holds them in memory (routed experts fused), each tensor in `dtype` (None: as stored)."""
+    from axgen.hf.families import FAMILIES, family_name
+
+    return dict(FAMILIES[family_name(spec)].to_hf(iter_hf_tensors(params, spec, dtype), fused_experts=True))
 
 
 def iter_hf_tensors(params: dict, spec: Model, dtype=None) -> Iterator[tuple[str, np.ndarray]]:

@@ -16,7 +16,7 @@ from axgen.build import build
 from axgen.cli import main as axgen
 from axgen.files import write_atomically
 from axgen.hf.export import load_params
-from axgen.hf.families import dequantize_fp8_blocks
+from axgen.hf.storage import dequantize_fp8_blocks
 from axgen.hf.weights import HFCheckpoint
 from axgen.interop import load_program
 

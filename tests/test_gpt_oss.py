@@ -19,7 +19,7 @@ from axgen.build import build
 from axgen.cli import main as axgen
 from axgen.files import write_atomically
 from axgen.hf.export import hf_config, load_params
-from axgen.hf.families import dequantize_mxfp4
+from axgen.hf.storage import dequantize_mxfp4
 from axgen.hf.import_config import import_config
 from axgen.interop import load_program
 from axgen.loader import load_spec

@@ -21,8 +21,9 @@ import ml_dtypes
 import numpy as np
 
 from axgen.files import check_replaceable, staging_dir
-from axgen.hf.families import MODEL_DTYPES, Fp8Blocks, fused_view, mtp_tensors
-from axgen.interop import CheckpointError, hf_layout, hf_names, hf_shapes, hf_to_params, host_jax
+from axgen.hf.families import FAMILIES, family_name
+from axgen.hf.storage import fp8_block_size
+from axgen.interop import CheckpointError, hf_layout, hf_names, hf_shapes, host_jax, params_of
 from axgen.spec import Model
 
 INDEX = "model.safetensors.index.json"
@@ -34,8 +35,8 @@ DTYPES = {
     "F64": np.float64,
     "I64": np.int64,
     "I32": np.int32,
-    "U8": np.uint8,  # gpt-oss's MXFP4 experts: blocks of e2m1 pairs and e8m0 scales (hf_families.Mxfp4Experts)
-    "F8_E4M3": ml_dtypes.float8_e4m3fn,  # DeepSeek-V3's FP8 blocks, scaled by F32s (hf_families.Fp8Blocks)
+    "U8": np.uint8,  # gpt-oss's MXFP4 experts: blocks of e2m1 pairs and e8m0 scales (hf.storage.Mxfp4Experts)
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,  # DeepSeek-V3's FP8 blocks, scaled by F32s (hf.storage.Fp8Blocks)
 }
 # Tensors some checkpoints carry that are not weights: RoPE's inverse frequencies, recomputed from theta.
 NOT_WEIGHTS = ("rotary_emb.inv_freq",)
@@ -142,6 +143,9 @@ class HFCheckpoint(Mapping):
             )
         return tensor
 
+    def __contains__(self, name) -> bool:  # by name: a Mapping's `in` would read the tensor
+        return name in self.entries
+
     def __iter__(self) -> Iterator[str]:
         return iter(self.entries)
 
@@ -157,7 +161,7 @@ def check_names(checkpoint: Mapping, spec: Model, source: str) -> None:
         raise CheckpointError(f"{source}: has no tensor {missing[0]!r}, which {spec.name} needs")
     unexpected = sorted(
         name
-        for name in set(checkpoint) - needed - mtp_tensors(checkpoint, spec)
+        for name in set(checkpoint) - needed - FAMILIES[family_name(spec)].untrained(checkpoint, spec)
         if not name.endswith(NOT_WEIGHTS) and not _tied_head(name, spec)
     )
     if unexpected:
@@ -181,11 +185,15 @@ def convert_hf(spec: Model, hf_dir: Path, out: Path, overwrite: bool = False) ->
     out = Path(out).resolve()
     check_replaceable(out, overwrite, "_CHECKPOINT_METADATA")
     with HeldInterrupts() as interrupts:
-        # FP8 blocks are dequantized first, under the Hub's names, so that experts are stacked from their weights.
-        hub = Fp8Blocks(HFCheckpoint(hf_dir), MODEL_DTYPES[spec.checkpoint_dtype], hf_dir, str(hf_dir))
-        checkpoint = fused_view(hub, spec, hf_shapes(spec), str(hf_dir))
+        checkpoint = FAMILIES[family_name(spec)].from_hf(
+            HFCheckpoint(hf_dir),
+            spec,
+            hf_shapes(spec),
+            str(hf_dir),
+            lambda scale: fp8_block_size(hf_dir, scale),
+        )
         check_names(checkpoint, spec, str(hf_dir))
-        params = hf_to_params(_Checked(checkpoint, interrupts), spec, dtype=None)
+        params = params_of(_Checked(checkpoint, interrupts), spec, dtype=None)
         staging = staging_dir(out)
         try:
             with ocp.Checkpointer(_uncopied_uncompressed(ocp)) as checkpointer:
@@ -234,6 +242,9 @@ class _Checked(Mapping):
     def __getitem__(self, name: str) -> np.ndarray:
         self.interrupts.check()
         return self.checkpoint[name]
+
+    def __contains__(self, name) -> bool:
+        return name in self.checkpoint
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.checkpoint)

@@ -1,8 +1,11 @@
 """Checkpoints that prove themselves: each array's checksum is saved with it and checked on restore; a damaged
-checkpoint is set aside and the run resumes from the newest one that verifies."""
+checkpoint is set aside and the run resumes from the newest one that verifies. Tools read them on the host, without
+devices or the program that saved them, through `read_on_host` and `newest_verified_on_host` (`axgen export-hf`).
+"""
 
 import contextlib
 import gc
+import json
 import logging
 import os
 import sys
@@ -159,3 +162,55 @@ def restore_params(path, abstract, model: str):
     except (OSError, ValueError, KeyError) as err:
         first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise SystemExit(f"error: {path} does not hold {model}'s params: {first_line}")
+
+
+class Unreadable(Exception):
+    """A checkpoint read on the host that cannot be read, or none of whose steps verifies: one line saying why."""
+
+
+def read_on_host(path) -> dict:
+    """An orbax checkpoint item (a step's `state`, or the params `axgen convert-hf` writes) as numpy arrays on the
+    host, in the dtypes saved; `Unreadable`, naming the path and the first line of the error, where it cannot be
+    read."""
+    try:
+        with unreported_read_errors():
+            with ocp.StandardCheckpointer() as checkpointer:
+                restored = checkpointer.restore(os.path.abspath(path))
+    except (OSError, ValueError, KeyError) as err:
+        why = (str(err).strip().splitlines() or [type(err).__name__])[0].split(" [tensorstore_spec=")[0]
+        raise Unreadable(f"{path}: not a readable orbax checkpoint ({why})") from None
+    return jax.tree.map(np.asarray, restored)
+
+
+def newest_verified_on_host(directory, item: str = "params") -> dict:
+    """`state[item]` of the newest step in `directory` (a run's RUN_DIR/checkpoints) whose arrays of that item
+    match the checksums saved with them, read on the host (`host_checksum`); a damaged newer step is named in a
+    warning, as `newest_verified` names it, and skipped (left in place: this reads, it does not repair).
+    `Unreadable` where no step verifies."""
+    steps = sorted((int(name), name) for name in os.listdir(directory) if name.isdigit())
+    for step, name in reversed(steps):
+        path = os.path.join(directory, name)
+        try:
+            state = read_on_host(os.path.join(path, "state"))
+            with open(os.path.join(path, "checksums", "metadata")) as f:
+                recorded = json.load(f)
+            problem = _host_verify({item: state[item]}, recorded)
+        except (Unreadable, OSError, ValueError, KeyError) as err:
+            problem = str(err)
+        if problem is None:
+            return state[item]
+        print(
+            f"warning: checkpoint step {step} in {directory} is damaged: {problem}",
+            file=sys.stderr,
+            flush=True,
+        )
+    raise Unreadable(f"no checkpoint in {directory} verifies")
+
+
+def _host_verify(state: dict, recorded: dict) -> str | None:
+    """Why `state` (numpy arrays) does not match the checksums `save` recorded with it; None where it does."""
+    for path, array in jax.tree.leaves_with_path(state):
+        name = jax.tree_util.keystr(path)
+        if recorded.get(name) != host_checksum(array):
+            return f"the checksum of state{name} differs from the one saved with it"
+    return None

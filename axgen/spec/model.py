@@ -30,6 +30,9 @@ class Model(SpecNode):
     # The dtype of the published checkpoint the spec was imported from (its config's torch_dtype): `axgen
     # export-hf` writes the weights back in it unless told otherwise. None: bfloat16.
     checkpoint_dtype: str | None = None
+    # The longest sequence the published model was made for (its config's max_position_embeddings), which `axgen
+    # export-hf` writes back: training on shorter sequences does not shorten it. None: not stated.
+    max_position: int | None = None
 
     def validate(self) -> None:
         if not _NAME.fullmatch(self.name):  # `$` of re.match would let a trailing newline through
@@ -37,6 +40,8 @@ class Model(SpecNode):
         self.require_positive("vocab_size", "d_model")
         if self.checkpoint_dtype not in CHECKPOINT_DTYPES:
             self.fail("checkpoint_dtype", f"is not one of {', '.join(map(repr, CHECKPOINT_DTYPES))}")
+        if self.max_position is not None:
+            self.require_positive("max_position")
         if not self.targets:
             self.fail("targets", "must name at least one target, e.g. ['cpu-8']")
         seen: dict[str, Feature] = {}
