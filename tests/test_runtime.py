@@ -37,7 +37,7 @@ def test_a_program_of_another_axgen_is_refused_in_one_line(tmp_path):
     result = python_result(program, "--data", tmp_path, "--run-dir", tmp_path / "run")
     assert result.returncode == 2
     assert result.stderr.count("\n") == 1, result.stderr
-    assert "was built by axgen 0.1.0" in result.stderr and "rebuild it with `axgen build`" in result.stderr
+    assert "was built by axgen 0.1.0" in result.stderr and "# Regenerate: axgen build ...`" in result.stderr
     assert not (tmp_path / "run").exists()
 
 
