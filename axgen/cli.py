@@ -297,7 +297,9 @@ def _parser() -> argparse.ArgumentParser:
     h.set_defaults(run=_import_hf)
 
     w = sub.add_parser(
-        "convert-hf", help="HF safetensors -> an orbax checkpoint the program takes with --init-from"
+        "convert-hf",
+        help="HF safetensors -> an orbax checkpoint the program takes with --init-from",
+        parents=[quiet],
     )
     w.add_argument("spec", help="the spec the weights are for, e.g. written by `axgen import-hf`")
     w.add_argument(
@@ -307,7 +309,9 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--force", action="store_true", help="replace an existing --out")
     w.set_defaults(run=_convert_hf)
 
-    x = sub.add_parser("export-hf", help="a run's (or convert-hf's) params -> a Hugging Face model folder")
+    x = sub.add_parser(
+        "export-hf", help="a run's (or convert-hf's) params -> a Hugging Face model folder", parents=[quiet]
+    )
     x.add_argument("spec", help="the spec the params are of")
     x.add_argument(
         "--ckpt", type=_path, required=True, help="a --run-dir (its newest checkpoint) or a convert-hf output"

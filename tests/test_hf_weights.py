@@ -1,6 +1,7 @@
 """`axgen convert-hf`: sharded HF safetensors become the program's params, checked tensor by tensor, restored
 into a sharded mesh with `--init-from`, and fine-tuned from."""
 
+import hashlib
 import json
 import os
 import signal
@@ -195,6 +196,31 @@ def test_fine_tuning_from_a_converted_checkpoint_lowers_its_loss(program, tmp_pa
     assert f"params from {tmp_path / 'ckpt'}, a fresh optimizer state" in log
     losses = [float(line.split(" | ")[1].split()[1]) for line in log.splitlines() if line.startswith("step ")]
     assert losses[-1] < losses[0] - 0.5, losses
+    # The HF folder had no tokenizer.json: nothing to compare, nothing said.
+    assert "tokenizer.json (sha256" not in log
+
+
+def test_a_run_from_params_of_another_tokenizer_than_its_datasets_warns(tmp_path, capsys):
+    """convert-hf records the source folder's tokenizer.json; a run from those params on a dataset that another
+    tokenizer made is warned, naming both, before anything starts."""
+    from axgen.runtime import checkpoints
+    from axgen.runtime.run import _check_tokenizer
+
+    save_sharded(tmp_path / "hf", state_dict())
+    (tmp_path / "hf/tokenizer.json").write_text('{"model": "the model\'s own"}')
+    assert convert(capsys, tmp_path / "hf", tmp_path / "ckpt")[0] == 0
+    recorded = checkpoints.tokenizer_of(tmp_path / "ckpt")
+    assert recorded == hashlib.sha256(b'{"model": "the model\'s own"}').hexdigest()
+    write_dataset(
+        tmp_path / "data", [np.arange(1, 9)], vocab_size=128, bos_id=None, eos_id=0, eval_fraction=0
+    )
+    manifest = json.loads((tmp_path / "data/manifest.json").read_text())
+    for dataset_sha, warned in ((recorded, False), ("0" * 64, True)):
+        manifest["tokenizer"]["sha256"] = dataset_sha
+        (tmp_path / "data/manifest.json").write_text(json.dumps(manifest))
+        _check_tokenizer(tmp_path / "ckpt", tmp_path / "data")
+        err = capsys.readouterr().err
+        assert ("is not the one that made" in err) == warned, err
 
 
 def test_force_replaces_a_checkpoint_and_nothing_else(tmp_path, capsys):

@@ -21,6 +21,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from axgen import progress
 from axgen.data.chat import load_chat_template
 from axgen.data.tokenizer import load_tokenizer
 from axgen.files import check_replaceable, staging_dir
@@ -295,20 +296,22 @@ def _write_shards(directory: Path, tensors: Iterator[tuple[str, np.ndarray]], sh
     shards: list[dict[str, dict]] = []
     bodies: list[Path] = []
     body = None
-    for name, tensor in tensors:
-        if body is None or (shards[-1] and _size(shards[-1]) + tensor.nbytes > shard_bytes):
-            if body is not None:
-                body.close()
-            bodies.append(directory / f".body-{len(shards)}")
-            shards.append({})
-            body = open(bodies[-1], "wb")
-        begin = _size(shards[-1])
-        shards[-1][name] = {
-            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
-            "shape": list(tensor.shape),
-            "data_offsets": [begin, begin + tensor.nbytes],
-        }
-        body.write(np.ascontiguousarray(tensor).reshape(-1).view(np.uint8))
+    with progress.bar(desc="exporting", unit="B", unit_scale=True, unit_divisor=1024) as shown:
+        for name, tensor in tensors:
+            shown.update(tensor.nbytes)
+            if body is None or (shards[-1] and _size(shards[-1]) + tensor.nbytes > shard_bytes):
+                if body is not None:
+                    body.close()
+                bodies.append(directory / f".body-{len(shards)}")
+                shards.append({})
+                body = open(bodies[-1], "wb")
+            begin = _size(shards[-1])
+            shards[-1][name] = {
+                "dtype": SAFETENSORS_DTYPES[tensor.dtype],
+                "shape": list(tensor.shape),
+                "data_offsets": [begin, begin + tensor.nbytes],
+            }
+            body.write(np.ascontiguousarray(tensor).reshape(-1).view(np.uint8))
     if body is not None:
         body.close()
     weight_map: dict[str, tuple[str, int]] = {}

@@ -8,6 +8,7 @@ so the host holds the params once, plus one tensor while a param's layers are st
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -20,6 +21,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from axgen import progress
 from axgen.files import check_replaceable, staging_dir
 from axgen.hf.families import FAMILIES, family_name
 from axgen.hf.storage import fp8_block_size
@@ -193,11 +195,13 @@ def convert_hf(spec: Model, hf_dir: Path, out: Path, overwrite: bool = False) ->
             lambda scale: fp8_block_size(hf_dir, scale),
         )
         check_names(checkpoint, spec, str(hf_dir))
-        params = params_of(_Checked(checkpoint, interrupts), spec, dtype=None)
+        with progress.bar(total=len(hf_shapes(spec)), desc="converting", unit="tensor") as shown:
+            params = params_of(_Checked(checkpoint, interrupts, shown), spec, dtype=None)
         staging = staging_dir(out)
         try:
             with ocp.Checkpointer(_uncopied_uncompressed(ocp)) as checkpointer:
                 checkpointer.save(staging / "params", args=ocp.args.PyTreeSave(params))
+            _record_source(staging / "params", Path(hf_dir))
             interrupts.check()
             if out.exists():
                 shutil.rmtree(out)
@@ -205,6 +209,21 @@ def convert_hf(spec: Model, hf_dir: Path, out: Path, overwrite: bool = False) ->
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return params
+
+
+def _record_source(checkpoint: Path, hf_dir: Path) -> None:
+    """Where the params came from, beside them (checkpoints.SOURCE): a run started from them checks that its
+    dataset was made by the same tokenizer."""
+    from axgen.runtime.checkpoints import SOURCE  # after host_jax(): it imports jax
+
+    tokenizer = hf_dir / "tokenizer.json"
+    source = {
+        "hf_dir": str(hf_dir.resolve()),
+        "tokenizer_sha256": (
+            hashlib.sha256(tokenizer.read_bytes()).hexdigest() if tokenizer.is_file() else None
+        ),
+    }
+    (checkpoint / SOURCE).write_text(json.dumps(source, indent=2) + "\n")
 
 
 class HeldInterrupts:
@@ -234,14 +253,17 @@ class HeldInterrupts:
 
 
 class _Checked(Mapping):
-    """A checkpoint whose every read first raises an interrupt that arrived since the last one."""
+    """A checkpoint whose every read first raises an interrupt that arrived since the last one, and moves the
+    progress bar by one tensor."""
 
-    def __init__(self, checkpoint: Mapping, interrupts: HeldInterrupts):
-        self.checkpoint, self.interrupts = checkpoint, interrupts
+    def __init__(self, checkpoint: Mapping, interrupts: HeldInterrupts, shown):
+        self.checkpoint, self.interrupts, self.shown = checkpoint, interrupts, shown
 
     def __getitem__(self, name: str) -> np.ndarray:
         self.interrupts.check()
-        return self.checkpoint[name]
+        tensor = self.checkpoint[name]
+        self.shown.update(1)
+        return tensor
 
     def __contains__(self, name) -> bool:
         return name in self.checkpoint

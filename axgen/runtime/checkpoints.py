@@ -153,6 +153,20 @@ def _set_aside(manager, run_dir, steps):
         manager.reload()
 
 
+# Beside the params `axgen convert-hf` writes: the Hugging Face folder they came from and its tokenizer.json's
+# sha256, which a run started from them (--init-from) compares with its dataset's.
+SOURCE = "axgen_source.json"
+
+
+def tokenizer_of(path) -> str | None:
+    """The sha256 of the tokenizer.json beside the checkpoint's source folder, where convert-hf recorded one."""
+    try:
+        with open(os.path.join(path, SOURCE)) as file:
+            return json.load(file).get("tokenizer_sha256")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def restore_params(path, abstract, model: str):
     """Params from an `axgen convert-hf` checkpoint, restored straight into the shardings and dtypes of
     `abstract`."""

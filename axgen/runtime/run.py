@@ -15,6 +15,7 @@ from axgen.runtime.dataset import (
     check_same_tokenizer,
     check_vocabulary,
     prefetched,
+    read_manifest,
 )
 from axgen.runtime.faults import NonFiniteGuard, RunDirError, StopSignals, lock_run_dir, make_run_dir
 from axgen.runtime.metrics import MetricsLog, Progress, schedule_points
@@ -222,11 +223,27 @@ def evaluate(eval_fn, params, data, batch_sharding, num_batches):
     return loss_sum / max(targets, 1), targets
 
 
+def _check_tokenizer(init_from, data) -> None:
+    """A warning where the params' own tokenizer (convert-hf recorded its sha256) did not make the dataset: its
+    ids would name other words than the ones the model learned. Not an error: a re-saved tokenizer.json can
+    differ in bytes and not in ids."""
+    model, dataset = checkpoints.tokenizer_of(init_from), read_manifest(data)["tokenizer"].get("sha256")
+    if model and dataset and model != dataset:
+        print(
+            f"warning: --init-from {init_from} was converted from a folder whose tokenizer.json (sha256"
+            f" {model[:12]}) is not the one that made {data} (sha256 {dataset[:12]}): make the dataset with the"
+            " model's own tokenizer, or the ids mean other words",
+            file=sys.stderr,
+        )
+
+
 def open_data(program: Program, args):
     """The training batches and, when evaluating, the eval batches: every dataset is checked before jax starts."""
     config, documents = program.config, not args.no_document_mask
     vocab_size = config["vocab_size"]
     check_vocabulary(args.data, vocab_size, config["spec"])
+    if args.init_from:
+        _check_tokenizer(args.init_from, args.data)
     train = PackedSplit(args.data, "train", config["seq_len"])
     if train.cut_conversations:
         span = config["seq_len"] + 1
