@@ -487,9 +487,14 @@ def _aot(args) -> int:
     for job in jobs:  # before the first compile, not after an hour of them
         check_compiler(plan_for(job.spec, job.target), "aot")
     reports, failures = [], []
-    for job in progress.bar(jobs, desc="compiling", unit="program"):
+    shown = progress.bar(jobs, desc="aot", unit="program")
+    for job in shown:
+
+        def phase(name: str, job=job) -> None:
+            shown.set_postfix_str(f"{job.spec.name} for {job.target}: {name}")
+
         try:
-            report = compile_target(job.spec_file, job.target, timeout=args.timeout)
+            report = compile_target(job.spec_file, job.target, timeout=args.timeout, phase=phase)
         except AotError as err:
             if not args.all:
                 raise

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from axgen.backends import Plan, plan_for
@@ -140,11 +141,18 @@ def _gib(n: int | None) -> str:
 
 
 def compile_target(
-    spec_path: str | Path, target: str, timeout: float | None = None, rule: dict | None = None
+    spec_path: str | Path,
+    target: str,
+    timeout: float | None = None,
+    rule: dict | None = None,
+    phase: Callable[[str], None] = lambda name: None,
 ) -> Report:
     """Builds the program, then compiles its train_step in a fresh process set up for the target. A `rule`
-    (`candidate_rule`'s fields) goes before the spec's own mesh rules."""
+    (`candidate_rule`'s fields) goes before the spec's own mesh rules. `phase` hears which step is under way
+    (a progress bar's caption)."""
+    phase("building")
     built = build(spec_path, target, candidate_rule(target, rule) if rule else None)
+    phase("compiling")
     with tempfile.TemporaryDirectory(prefix="axgen-aot-") as tmp:
         program = Path(tmp) / output_name(target)
         program.write_text(built.source)
