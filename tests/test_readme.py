@@ -36,3 +36,15 @@ def test_a_readme_shell_block_runs_as_written_in_a_fresh_directory(block, tmp_pa
         assert (tmp_path / out).exists(), f"{out} was not made"
     outs = re.findall(r"--(?:out|run-dir) (\S+)", block)
     assert len(outs) == len(set(outs)), f"two commands write the same place: {outs}"
+
+
+def test_the_readme_python_example_runs_from_the_checkout(monkeypatch):
+    """ "Using an emitted program from Python", as written, in the checkout (it names generated/'s program)."""
+    readme = (ROOT / "README.md").read_text()
+    example = re.search(
+        r"## Using an emitted program from Python\n\n```python\n(.*?)^```", readme, re.S | re.M
+    )
+    monkeypatch.chdir(ROOT)
+    names: dict = {}
+    exec(example.group(1), names)
+    assert names["logits"].shape == (*names["tokens"].shape, names["spec"].vocab_size)
