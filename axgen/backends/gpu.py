@@ -48,7 +48,8 @@ def target_config() -> str:
 # Tiles of jax's Mosaic GPU grouped matmul (`ragged_dot_mgpu`, and `transposed_ragged_dot_mgpu` for the weight
 # gradient), tried in order: block_m, block_n, block_k, max_concurrent_steps. The first is the fastest of jax's own
 # sweep on one H100 for Mixtral's [16384, 4096] x [8, 4096, 14336] (393-606 TFLOP/s, against ragged_dot's ~100);
-# the second, untuned, takes experts whose widths are multiples of 64 only. `bench/h100.py --tiles` sweeps them.
+# the second, untuned, takes experts whose widths are multiples of 64 only. No tile sweep of ours has run on an H100
+# (`bench/h100.py` times the kernel against ragged_dot with these tiles).
 GROUPED_MATMUL_TILES = ((128, 128, 64, 4), (64, 64, 64, 4))
 # Output columns each SM walks before the next row of blocks (grid_block_n), widest first: 4 measured best.
 GRID_BLOCK_N = (4, 2, 1)
