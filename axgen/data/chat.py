@@ -213,22 +213,14 @@ class ChatTemplate:
             return self.tool_use.render(messages, add_generation_prompt, variables)
         return self._render(messages, add_generation_prompt, None, variables or {})
 
-    def assistant_spans(
-        self, messages: list[dict], variables: dict | None = None
-    ) -> tuple[str, list[tuple[int, int]]]:
-        """The rendered conversation and the character spans of its assistant's text (module docstring), or
-        TemplateRaised where the turns cannot be told apart in one rendering (`examples` then splits it)."""
-        examples, _ = self.examples(messages, variables, per_turn=False)
-        return examples[0]
-
     def examples(
-        self, messages: list[dict], variables: dict | None = None, per_turn: bool = True
+        self, messages: list[dict], variables: dict | None = None
     ) -> tuple[list[tuple[str, list[tuple[int, int]]]], bool]:
         """(rendered text, character spans to train) of each example the conversation trains as: itself whole,
-        or (with `per_turn`, where the template renders earlier turns differently once later ones follow) one
-        example per assistant turn (module docstring); and whether it was split so."""
+        or, where the template renders earlier turns differently once later ones follow, one example per
+        assistant turn (module docstring); and whether it was split so."""
         if self.tool_use is not None and (variables or {}).get("tools") is not None:
-            return self.tool_use.examples(messages, variables, per_turn)
+            return self.tool_use.examples(messages, variables)
         variables = variables or {}
         if self.marks_generation:
             spans: list[tuple[int, int]] = []
@@ -237,19 +229,12 @@ class ChatTemplate:
         turns = [
             self._turn(messages, i, variables) for i, m in enumerate(messages) if m.get("role") == "assistant"
         ]
-        for i, prompt, turn in turns:
-            for name, prefix in (("prompt", prompt), ("rendering", turn)):
-                if not whole.startswith(prefix):
-                    if per_turn:
-                        return [(turn, [_span(prompt, turn)]) for _, prompt, turn in turns], True
-                    raise TemplateRaised(
-                        f"the {name} of messages 0-{i - 1 if name == 'prompt' else i} is not a prefix of the whole"
-                        " conversation's rendering, so the assistant's turns cannot be told apart"
-                    )
-        return [(whole, [_span(prompt, turn) for _, prompt, turn in turns])], False
+        if all(whole.startswith(prompt) and whole.startswith(turn) for prompt, turn in turns):
+            return [(whole, [_span(prompt, turn) for prompt, turn in turns])], False
+        return [(turn, [_span(prompt, turn)]) for prompt, turn in turns], True
 
-    def _turn(self, messages: list[dict], i: int, variables: dict) -> tuple[int, str, str]:
-        """(i, the generation prompt before assistant message i, the rendering up to and with it)."""
+    def _turn(self, messages: list[dict], i: int, variables: dict) -> tuple[str, str]:
+        """(the generation prompt before assistant message i, the rendering up to and with it)."""
         prompt = self.render(messages[:i], add_generation_prompt=True, variables=variables)
         turn = self.render(messages[: i + 1], variables=variables)
         if not turn.startswith(prompt):
@@ -257,7 +242,7 @@ class ChatTemplate:
                 f"message {i} (assistant) does not render after the generation prompt before it, so the"
                 " generation prompt is not how this template starts an assistant turn"
             )
-        return i, prompt, turn
+        return prompt, turn
 
     def _render(
         self, messages: list[dict], add_generation_prompt: bool, spans: list | None, variables: dict

@@ -54,35 +54,4 @@ def __getattr__(name):
     return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
 
 
-__all__ = [
-    "ParamSpec",
-    "Routing",
-    "apply_gradients",
-    "causal_attention",
-    "constrain",
-    "cross_entropy",
-    "expert_mlp",
-    "fp8_delayed_einsum",
-    "fp8_einsum",
-    "fp8_ragged_dot",
-    "gradients",
-    "grouped_matmul",
-    "init_params",
-    "int8_einsum",
-    "int8_ragged_dot",
-    "lm_head_cross_entropy",
-    "logical_to_mesh",
-    "main",
-    "moe_dropless",
-    "moe_with_capacity",
-    "param_shardings",
-    "rope",
-    "rope_frequencies",
-    "route",
-    "shards",
-    "soft_cap",
-    "summed_over_microbatches",
-    "trained_targets",
-    "varying_axes",
-    "varying_over",
-]
+__all__ = sorted(_HOMES)
