@@ -306,6 +306,12 @@ def _parser() -> argparse.ArgumentParser:
         "--hf", type=_path, required=True, help="folder of model.safetensors or shards and their index"
     )
     w.add_argument("--out", type=_path, required=True, help="checkpoint directory to write")
+    w.add_argument(
+        "--adapter",
+        type=_path,
+        help="a PEFT LoRA adapter folder (adapter_config.json, adapter_model.safetensors) for a spec with "
+        "F.lora: a run starts from its adapters (default: drawn from the seed)",
+    )
     w.add_argument("--force", action="store_true", help="replace an existing --out")
     w.set_defaults(run=_convert_hf)
 
@@ -345,6 +351,18 @@ def _parser() -> argparse.ArgumentParser:
         "--chat-template",
         help="the chat template to write as chat_template.jinja: chatml, a .jinja file, or a named template of "
         "the tokenizer (as `axgen data --chat-template`; default: the tokenizer's own, if it has one)",
+    )
+    lora = x.add_mutually_exclusive_group()
+    lora.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a spec with F.lora: write the run's adapters as a PEFT adapter folder, which "
+        "PeftModel.from_pretrained loads onto the base",
+    )
+    lora.add_argument(
+        "--merge",
+        action="store_true",
+        help="a spec with F.lora: write the base with the run's adapters merged into it (PEFT's merge_and_unload)",
     )
     x.add_argument("--force", action="store_true", help="replace an existing --out")
     x.set_defaults(run=_export_hf)
@@ -669,7 +687,7 @@ def _convert_hf(args) -> int:
 
     check_output_dir(args.out, force=args.force)
     spec = load_spec(args.spec)
-    params = convert_hf(spec, args.hf, args.out, overwrite=args.force)
+    params = convert_hf(spec, args.hf, args.out, overwrite=args.force, adapter=args.adapter)
     leaves = [
         leaf for block in params.values() for leaf in (block.values() if isinstance(block, dict) else [block])
     ]
@@ -683,6 +701,12 @@ def _export_hf(args) -> int:
 
     check_output_dir(args.out, force=args.force)
     spec = load_spec(args.spec)
+    if args.adapter:
+        from axgen.hf.export import export_adapter
+
+        written = export_adapter(spec, args.ckpt, args.out, args.dtype, args.base, args.force)
+        print(f"wrote {args.out}: the PEFT adapter of {spec.name}, {len(written)} tensors")
+        return 0
     shard_bytes = int(args.shard_gb * 10**9)
     dtype = export_dtype(spec, args.dtype)
     written = export_hf(
@@ -696,6 +720,7 @@ def _export_hf(args) -> int:
         args.fused_experts,
         args.chat_template,
         args.base,
+        args.merge,
     )
     size = sum(bytes_ for _, bytes_ in written.values())
     print(f"wrote {args.out}: {len(written)} tensors of {spec.name} in {dtype}, {size / 2**30:.2f} GiB")

@@ -86,10 +86,11 @@ def hf_to_params(state_dict, spec: Model, dtype=np.float32, fp8_block: tuple[int
     return params_of(view, spec, dtype)
 
 
-def params_of(checkpoint, spec: Model, dtype=np.float32) -> dict:
-    """`hf_to_params` of a checkpoint already in the params' names (`Family.from_hf`'s view)."""
+def params_of(checkpoint, spec: Model, dtype=np.float32, adapters: bool = False) -> dict:
+    """`hf_to_params` of a checkpoint already in the params' names (`Family.from_hf`'s view); with `adapters`, the
+    adapters (F.lora) of a PEFT adapter file instead."""
     params: dict = {}
-    for block, param, layers in hf_layout(spec):
+    for block, param, layers in hf_layout(spec, adapters):
         if layers is None:
             params[param.key] = _hf_tensor(checkpoint, param, None, dtype)
             continue
@@ -104,9 +105,10 @@ def params_of(checkpoint, spec: Model, dtype=np.float32) -> dict:
     return params
 
 
-def hf_layout(spec: Model) -> list[tuple[str | None, Param, list[int] | None]]:
+def hf_layout(spec: Model, adapters: bool = False) -> list[tuple[str | None, Param, list[int] | None]]:
     """(block, param, the HF layer index of each of its stacked rows) for every param of the spec's program, in
-    order; block and layers are None for a param outside the decoder's scan."""
+    order; block and layers are None for a param outside the decoder's scan. The params of the model's own
+    checkpoint, or with `adapters` those of its PEFT adapter file (F.lora)."""
     graph = from_spec(spec)
     run_passes(graph, spec.features)
     layout, first = [], 0  # first: the HF index of the scan's first layer; a later scan runs the layers after
@@ -116,7 +118,7 @@ def hf_layout(spec: Model) -> list[tuple[str | None, Param, list[int] | None]]:
                 layout += [(block, p, layers) for n in graph.nodes(region=block) for p in n.params.values()]
                 first += len(layers)
         layout += [(None, p, None) for p in node.params.values()]
-    return layout
+    return [entry for entry in layout if entry[1].adapter == adapters]
 
 
 def params_to_hf(params: dict, spec: Model, dtype=None) -> dict[str, np.ndarray]:
@@ -127,10 +129,13 @@ def params_to_hf(params: dict, spec: Model, dtype=None) -> dict[str, np.ndarray]
     return dict(FAMILIES[family_name(spec)].to_hf(iter_hf_tensors(params, spec, dtype), fused_experts=True))
 
 
-def iter_hf_tensors(params: dict, spec: Model, dtype=None) -> Iterator[tuple[str, np.ndarray]]:
+def iter_hf_tensors(
+    params: dict, spec: Model, dtype=None, adapters: bool = False
+) -> Iterator[tuple[str, np.ndarray]]:
     """The HF tensors of a program's params one at a time, so a writer holds one at once. A fused HF tensor comes
-    once all the params that are its parts have."""
-    layout = hf_layout(spec)
+    once all the params that are its parts have. With `adapters`, the PEFT tensors of its adapters (F.lora).
+    """
+    layout = hf_layout(spec, adapters)
     values = [_param_value(params, block, param, layers, spec) for block, param, layers in layout]
     parts: dict[str, dict[int, np.ndarray]] = {}
     for (_, param, layers), value in zip(layout, values):

@@ -216,7 +216,7 @@ def test_loads_add_up_over_microbatches_and_over_devices(tmp_path):
     batch = (tokens, jnp.ones_like(tokens), jnp.ones_like(tokens))
     rules = program.LOGICAL_AXIS_RULES
     (_, _), accumulated = jax.jit(
-        lambda p: program.runtime.gradients(program.loss_fn, p, batch, 2, program.PARAMS, rules)
+        lambda p: program.runtime.gradients(program.loss_fn, {"params": p}, batch, 2, program.PARAMS, rules)
     )(params)
     np.testing.assert_array_equal(accumulated["moe_layers"]["correction_bias"], load)
     mesh = jax.make_mesh(

@@ -174,7 +174,7 @@ def test_replicas_sum_their_own_passes_and_the_step_equals_one_pass_over_the_bat
     with jax.set_mesh(mesh):
         step = jax.jit(
             lambda p, b: gradients(
-                module.loss_fn, p, b, module.MICROBATCH, module.PARAMS, module.LOGICAL_AXIS_RULES
+                module.loss_fn, {"params": p}, b, module.MICROBATCH, module.PARAMS, module.LOGICAL_AXIS_RULES
             )
         )
         got = step(params, batch)

@@ -254,7 +254,7 @@ def _compile_here(program_path: str, spec_path: str, target: str, rule: str) -> 
                 out_of_memory=message.strip(),
             )
         seconds = time.perf_counter() - began
-        evaluation = eval_step.lower(state["params"], tokens, tokens, tokens).compile()
+        evaluation = eval_step.lower(program.model_params(state), tokens, tokens, tokens).compile()
     hlo = compiled.as_text()
     memory = compiled.memory_analysis()
     peak = step_peak_bytes(memory)  # the formula the program's own check before it allocates uses

@@ -125,6 +125,8 @@ def _param_entry(param, stack: int | None = None) -> str:
             f", std={param.std}" if param.init == "normal" and param.std != 0.02 else "",
             ", decay=False" if not param.decay else "",
             ", trained=False" if not param.trained else "",
+            ", frozen=True" if param.frozen else "",
+            ", adapter=True" if param.adapter else "",
             f", balance_rate={param.balance_rate}" if param.balance_rate is not None else "",
         ]
     )
@@ -270,9 +272,13 @@ def _statement(env, graph: Graph, node: Node, param_root: str) -> str:
     weights = {role: f'{param_root}["{p.key}"]' for role, p in node.params.items()}
     attrs = {f.name: getattr(node.attrs, f.name) for f in dataclasses.fields(node.attrs)}
     if node.op == "linear":
-        attrs["einsum"] = _einsum(
-            graph.inputs(node)["x"].type.axes, node.params["w"].type.axes, node.type.axes
-        )
+        x = graph.inputs(node)["x"].type
+        attrs["einsum"] = _einsum(x.axes, node.params["w"].type.axes, node.type.axes)
+        if node.attrs.lora_scale:
+            a, b = node.params["lora_a"].type, node.params["lora_b"].type
+            low_rank = x.drop(*a.axes).concat(b.drop(*b.axes[1:]))  # [batch, seq, lora_rank]
+            attrs["lora_a_einsum"] = _einsum(x.axes, a.axes, low_rank.axes)
+            attrs["lora_b_einsum"] = _einsum(low_rank.axes, b.axes, node.type.axes)
     if node.op == "scan":
         attrs["xs"] = _scan_xs(node, param_root)
     template = env.get_template(f"ops/{OPS[node.op].template}.j2").module

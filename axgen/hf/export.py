@@ -233,6 +233,7 @@ def export_hf(
     fused_experts: bool = False,
     chat_template: str | None = None,
     base: Path | None = None,
+    merge: bool = False,
 ) -> dict[str, tuple[str, int]]:
     """Writes the HF model folder at `out`, published only when complete; returns each tensor's shard and size.
     The weights are in `dtype`, else the dtype of the checkpoint the spec was imported from, else bfloat16; the
@@ -241,7 +242,8 @@ def export_hf(
     along, its chat template too; `chat_template` (`chatml`, a .jinja file, or one of the tokenizer's named
     templates: what `axgen data --chat-template` takes) is written as the folder's chat_template.jinja. With
     `base`, the published model folder (or its config.json) the run started from, config.json keeps the base's keys
-    (`config_json`) and its generation_config.json goes along."""
+    (`config_json`) and its generation_config.json goes along. A spec with F.lora is exported `merge`d: its base
+    with the run's adapters merged in (`export_adapter` writes the adapters alone)."""
     out = Path(out).resolve()
     check_replaceable(out, overwrite, "config.json")
     dtype = export_dtype(spec, dtype)
@@ -254,7 +256,7 @@ def export_hf(
         raise CheckpointError(f"--chat-template {chat_template}: needs --tokenizer, whose files it goes with")
     if tokenizer is not None:
         tokenizer, template = _tokenizer_files(Path(tokenizer), spec, chat_template)
-    params = load_params(checkpoint)
+    params = lora_params(spec, checkpoint, merge)
     tensors = family(spec).to_hf(iter_hf_tensors(params, spec, _numpy_dtype(dtype)), fused_experts)
     staging = staging_dir(out)
     try:
@@ -278,6 +280,101 @@ def export_hf(
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     return written
+
+
+def lora_params(spec: Model, checkpoint: Path, merge: bool) -> dict:
+    """The params to export: a checkpoint's as they are, or for a spec with F.lora (`merge`), the run's base with
+    its adapters merged in. A LoRA run's checkpoints hold its adapters; its base is the --init-from it recorded.
+    """
+    from axgen.hf.peft import merged
+
+    if spec.feature("lora") is None:
+        if merge:
+            raise CheckpointError(f"--merge: {spec.name} has no F.lora adapters to merge")
+        return load_params(checkpoint)
+    if not merge:
+        raise CheckpointError(
+            f"{checkpoint}: {spec.name} trains LoRA adapters; export them with --adapter, or the base with them"
+            " merged in with --merge"
+        )
+    adapters = load_params(checkpoint)
+    return merged(_joined(load_params(run_base(checkpoint)), adapters), spec)
+
+
+def run_base(run_dir: Path) -> Path:
+    """The --init-from a LoRA run recorded (RUN_DIR/base.json), which its adapters were trained on."""
+    recorded = _recorded_base(run_dir)
+    if recorded is None:
+        raise CheckpointError(
+            f"{run_dir}: its base was drawn from the seed, not loaded (--init-from): there is no base to merge into;"
+            " export the adapters with --adapter"
+        )
+    return Path(recorded)
+
+
+def _recorded_base(run_dir: Path) -> str | None:
+    from axgen.runtime.checkpoints import BASE
+
+    try:
+        return json.loads((Path(run_dir) / BASE).read_text())["init_from"]
+    except (OSError, ValueError, KeyError):
+        raise CheckpointError(
+            f"{run_dir}: not the run directory of a LoRA run (no readable {BASE} naming its base)"
+        ) from None
+
+
+def _base_model_name(run_dir: Path) -> str | None:
+    """The HF folder a LoRA run's base was converted from, where convert-hf recorded it."""
+    from axgen.runtime.checkpoints import SOURCE
+
+    from axgen.runtime.checkpoints import BASE
+
+    recorded = _recorded_base(run_dir) if (Path(run_dir) / BASE).is_file() else None
+    source = Path(recorded or "") / SOURCE
+    return json.loads(source.read_text()).get("hf_dir") if recorded and source.is_file() else None
+
+
+def _joined(base: dict, adapters: dict) -> dict:
+    """The base's params with the adapters' (which replace any the base's checkpoint holds)."""
+    out = dict(base)
+    for key, value in adapters.items():
+        out[key] = _joined(base.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def export_adapter(
+    spec: Model,
+    checkpoint: Path,
+    out: Path,
+    dtype: str | None = None,
+    base: Path | None = None,
+    overwrite: bool = False,
+) -> dict[str, np.ndarray]:
+    """Writes the run's adapters (F.lora) at `out` as `PeftModel.save_pretrained` does: adapter_config.json and
+    adapter_model.safetensors, in `dtype` (default float32, as PEFT keeps adapters), naming `base` (the published
+    model folder) as the base model, else the folder the run's base was converted from. Published only when
+    complete."""
+    from safetensors.numpy import save_file
+
+    from axgen.hf.peft import CONFIG, WEIGHTS, adapter_config, adapter_tensors, lora_of
+
+    lora_of(spec)
+    out = Path(out).resolve()
+    check_replaceable(out, overwrite, CONFIG)
+    tensors = adapter_tensors(load_params(checkpoint), spec, _numpy_dtype(dtype or "float32"))
+    base_name = str(base) if base is not None else _base_model_name(checkpoint)
+    staging = staging_dir(out)
+    try:
+        save_file(tensors, str(staging / WEIGHTS), metadata={"format": "pt"})
+        config = adapter_config(spec, base_name)
+        (staging / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return tensors
 
 
 def export_dtype(spec: Model, requested: str | None) -> str:

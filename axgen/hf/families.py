@@ -12,8 +12,9 @@ FAMILIES: dict[str, Family] = {
     family.model_type: family
     for family in [*llama.FAMILIES, *qwen.FAMILIES, *gemma.FAMILIES, gpt_oss.FAMILY, *deepseek.FAMILIES]
 }
-# Features that shape training only, not the weights' meaning: every family goes with them.
-TRAINING_ONLY = {"remat", "quantize"}
+# Features that shape training only, not the weights' meaning, or whose weights PEFT keeps beside the model's
+# (F.lora's adapters: export-hf writes them as an adapter folder, or merges them in): every family goes with them.
+TRAINING_ONLY = {"remat", "quantize", "lora"}
 
 
 def family(spec: Model) -> Family:

@@ -178,14 +178,25 @@ def _tied_head(name: str, spec: Model) -> bool:
     return spec.tie_embeddings and name == "lm_head.weight"
 
 
-def convert_hf(spec: Model, hf_dir: Path, out: Path, overwrite: bool = False) -> dict:
+def convert_hf(
+    spec: Model, hf_dir: Path, out: Path, overwrite: bool = False, adapter: Path | None = None
+) -> dict:
     """Writes the program's params from an HF checkpoint folder (the Hub's per-expert layout or transformers 5's
-    fused one) as an orbax checkpoint at `out`, published only when complete; returns the params."""
+    fused one) as an orbax checkpoint at `out`, published only when complete; returns the params. A spec with
+    F.lora gets its base model's params, and the adapters of the PEFT folder `adapter` where given (else a run
+    draws them from its seed)."""
     host_jax()
     import orbax.checkpoint as ocp
 
+    from axgen.hf.peft import lora_of, read_adapter
+    from axgen.runtime.params import joined
+
     out = Path(out).resolve()
     check_replaceable(out, overwrite, "_CHECKPOINT_METADATA")
+    adapters = {}
+    if adapter is not None:
+        lora_of(spec)
+        adapters = read_adapter(adapter, spec)  # refused before the base's tensors are read
     with HeldInterrupts() as interrupts:
         checkpoint = FAMILIES[family_name(spec)].from_hf(
             HFCheckpoint(hf_dir),
@@ -196,12 +207,12 @@ def convert_hf(spec: Model, hf_dir: Path, out: Path, overwrite: bool = False) ->
         )
         check_names(checkpoint, spec, str(hf_dir))
         with progress.bar(total=len(hf_shapes(spec)), desc="converting", unit="tensor") as shown:
-            params = params_of(_Checked(checkpoint, interrupts, shown), spec, dtype=None)
+            params = joined(params_of(_Checked(checkpoint, interrupts, shown), spec, dtype=None), adapters)
         staging = staging_dir(out)
         try:
             with ocp.Checkpointer(_uncopied_uncompressed(ocp)) as checkpointer:
                 checkpointer.save(staging / "params", args=ocp.args.PyTreeSave(params))
-            _record_source(staging / "params", Path(hf_dir))
+            _record_source(staging / "params", Path(hf_dir), adapter)
             interrupts.check()
             if out.exists():
                 shutil.rmtree(out)
@@ -211,9 +222,10 @@ def convert_hf(spec: Model, hf_dir: Path, out: Path, overwrite: bool = False) ->
     return params
 
 
-def _record_source(checkpoint: Path, hf_dir: Path) -> None:
+def _record_source(checkpoint: Path, hf_dir: Path, adapter: Path | None) -> None:
     """Where the params came from, beside them (checkpoints.SOURCE): a run started from them checks that its
-    dataset was made by the same tokenizer."""
+    dataset was made by the same tokenizer, and takes its adapters from them where they hold a PEFT folder's.
+    """
     from axgen.runtime.checkpoints import SOURCE  # after host_jax(): it imports jax
 
     tokenizer = hf_dir / "tokenizer.json"
@@ -222,6 +234,7 @@ def _record_source(checkpoint: Path, hf_dir: Path) -> None:
         "tokenizer_sha256": (
             hashlib.sha256(tokenizer.read_bytes()).hexdigest() if tokenizer.is_file() else None
         ),
+        "adapter": None if adapter is None else str(Path(adapter).resolve()),
     }
     (checkpoint / SOURCE).write_text(json.dumps(source, indent=2) + "\n")
 

@@ -60,6 +60,7 @@ class DotAttrs(Attrs):
     role: str | None = None
     quantize: str | None = None
     checkpoint_name: str | None = None
+    lora_scale: float | None = None  # F.lora: the output adds lora_scale * (x lora_a) lora_b
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,7 +181,13 @@ def _linear(ins, attrs, params):
     for axis in contracted:
         if x.size(axis) != w.size(axis):
             raise ShapeError(f"axis {axis}: x has {x.size(axis)}, w has {w.size(axis)}")
-    return x.drop(*contracted).concat(w.drop(*contracted))
+    kept = w.drop(*contracted)
+    if "lora_a" in params:  # F.lora: A takes what w contracts to the rank, B the rank to what w makes
+        rank = TensorType.of(("lora_rank", params["lora_a"].type.size("lora_rank")))
+        a, b = params["lora_a"].type, params["lora_b"].type
+        if a != w.drop(*kept.axes).concat(rank) or b != rank.concat(kept):
+            raise ShapeError(f"lora_a{a} and lora_b{b} do not factor w{w} through a rank")
+    return x.drop(*contracted).concat(kept)
 
 
 def _attention(ins, attrs, params):
@@ -225,7 +232,9 @@ def trained_size(params: dict[str, Param]) -> int:
 
 
 def _dot_flops(ins, attrs, params, seq_len) -> float:
-    return 6 * trained_size(params)
+    """6 per multiply-add; a frozen weight's (F.lora's base) takes no weight gradient, so 4 (forward and the
+    input's gradient)."""
+    return sum((4 if p.frozen else 6) * math.prod(p.shape) for p in params.values() if p.trained)
 
 
 def _lm_head_flops(ins, attrs, params, seq_len) -> float:

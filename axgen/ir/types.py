@@ -22,6 +22,7 @@ LOGICAL_AXES: dict[str, str] = {
     "amax_history": "a",  # fp8 delayed scaling's history of maxima
     "fp8_operand": "o",  # x, w and the gradient of an fp8 dot
     "layers": "l",  # a block's params stacked over its layers
+    "lora_rank": "n",  # a low-rank adapter's rank (F.lora)
 }
 
 
@@ -78,13 +79,17 @@ class Param:
 
     key: str
     type: TensorType
-    init: str = "normal"  # normal(0, std) | ones | zeros
+    init: str = "normal"  # normal(0, std) | ones | zeros | kaiming_uniform (PEFT's lora_A)
     std: float = 0.02
     decay: bool = True  # whether AdamW's weight decay applies
     trained: bool = True  # False: a statistic the step overwrites with what backward returns for it
     # A statistic whose backward value is each expert's load: the step moves it by this rate toward balance.
     balance_rate: float | None = None
     hf: HFWeight | None = None  # None: not in HF checkpoints (starts from its init)
+    # Loaded and never trained: no gradient, no optimizer moments, not in the run's checkpoints (F.lora's base).
+    frozen: bool = False
+    # A low-rank adapter (F.lora): `hf` names its tensor in a PEFT adapter file, not in the model's checkpoint.
+    adapter: bool = False
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -92,7 +97,15 @@ class Param:
 
     def __str__(self) -> str:
         init = f"normal({self.std})" if self.init == "normal" else self.init
-        return f"{self.key}{self.type} {init}{'' if self.decay else ' no-decay'}{'' if self.trained else ' untrained'}{self._balanced()}"
+        flags = "".join(
+            [
+                "" if self.decay else " no-decay",
+                "" if self.trained else " untrained",
+                " frozen" if self.frozen else "",
+                " adapter" if self.adapter else "",
+            ]
+        )
+        return f"{self.key}{self.type} {init}{flags}{self._balanced()}"
 
     def _balanced(self) -> str:
         return "" if self.balance_rate is None else f" balance_rate={self.balance_rate}"

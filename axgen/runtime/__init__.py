@@ -42,6 +42,7 @@ _HOMES = {
     "shards": "sharding",
     "soft_cap": "attention",
     "summed_over_microbatches": "training",
+    "trained": "params",
     "trained_targets": "losses",
     "varying_axes": "sharding",
     "varying_over": "sharding",

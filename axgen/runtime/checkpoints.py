@@ -55,7 +55,9 @@ def manager(directory, every: int):
 
 
 def save(manager, state, force=False):
-    """Saves the state with the checksum of each of its arrays (the write itself goes on in the background)."""
+    """Saves the state with the checksum of each of its arrays (the write itself goes on in the background). Its
+    frozen params (F.lora's base) are left out: they are the run's base, loaded again on resume (`BASE`)."""
+    state = saved_part(state)
     sums = jax.device_get(checksums(state))
     recorded = {jax.tree_util.keystr(path): int(value) for path, value in jax.tree.leaves_with_path(sums)}
     items = ocp.args.Composite(state=ocp.args.StandardSave(state), checksums=ocp.args.JsonSave(recorded))
@@ -153,18 +155,57 @@ def _set_aside(manager, run_dir, steps):
         manager.reload()
 
 
+def saved_part(state: dict) -> dict:
+    """What a checkpoint holds of a train state (or of its abstract shapes): all but the frozen params."""
+    return {key: value for key, value in state.items() if key != "frozen"}
+
+
+# In RUN_DIR, for a program with frozen params: where the base the adapters train on came from (the --init-from
+# folder, or null: drawn from the seed), so a resumed run loads the same one.
+BASE = "base.json"
+
+
+def run_base(run_dir, init_from) -> str | None:
+    """The base of the run in `run_dir`: the one it recorded when it began, which a different --init-from may
+    not replace (ValueError saying so); else `init_from` (absolute), recorded now."""
+    path, given = os.path.join(run_dir, BASE), init_from and os.path.abspath(init_from)
+    if os.path.exists(path):
+        with open(path) as file:
+            recorded = json.load(file)["init_from"]
+        if init_from is not None and given != recorded:
+            raise ValueError(
+                f"--init-from {init_from}: the run in {run_dir} trains its adapters on the base"
+                f" {recorded or 'drawn from its seed'} ({path}); resume it with that one, or use a new --run-dir"
+            )
+        return recorded
+    with open(path + ".tmp", "w") as file:
+        json.dump({"init_from": given}, file)
+    os.replace(path + ".tmp", path)
+    return given
+
+
 # Beside the params `axgen convert-hf` writes: the Hugging Face folder they came from and its tokenizer.json's
 # sha256, which a run started from them (--init-from) compares with its dataset's.
 SOURCE = "axgen_source.json"
 
 
-def tokenizer_of(path) -> str | None:
-    """The sha256 of the tokenizer.json beside the checkpoint's source folder, where convert-hf recorded one."""
+def _source(path, key: str):
+    """What convert-hf recorded beside the checkpoint under `key`; None where it recorded nothing."""
     try:
         with open(os.path.join(path, SOURCE)) as file:
-            return json.load(file).get("tokenizer_sha256")
+            return json.load(file).get(key)
     except (OSError, ValueError, AttributeError):
         return None
+
+
+def tokenizer_of(path) -> str | None:
+    """The sha256 of the tokenizer.json beside the checkpoint's source folder, where convert-hf recorded one."""
+    return _source(path, "tokenizer_sha256")
+
+
+def adapter_of(path) -> str | None:
+    """The PEFT adapter folder whose adapters convert-hf wrote beside the base's params, where it was given one."""
+    return _source(path, "adapter")
 
 
 def restore_params(path, abstract, model: str):

@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 
 import axgen
 from axgen.runtime import checkpoints, memory
+from axgen.runtime.params import frozen, init_adapters, joined, select, trained
 from axgen.runtime.sharding import logical_to_mesh, param_shardings
 from axgen.runtime.training import accumulation_steps
 
@@ -96,9 +97,20 @@ class Program:
     def init_state(self, rng):
         return self.state_from_params(self.init_params(rng))
 
+    @property
+    def has_frozen(self) -> bool:
+        """Whether some params are frozen (F.lora's base): the state keeps them apart, in `state["frozen"]`."""
+        return bool(frozen(self.params, self.params))
+
     def state_from_params(self, params):
-        """Step 0 with these params and a fresh optimizer state."""
-        return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": self.optimizer.init(params)}
+        """Step 0 with these params and a fresh optimizer state for the trained ones."""
+        state = {"step": jnp.zeros((), jnp.int32), "params": trained(params, self.params)}
+        state["opt_state"] = self.optimizer.init(state["params"])
+        return {**state, "frozen": frozen(params, self.params)} if self.has_frozen else state
+
+    def model_params(self, state):
+        """The whole params tree of a state: its trained params with its frozen ones."""
+        return joined(state["params"], state.get("frozen", {}))
 
     def param_shardings(self, mesh):
         return param_shardings(mesh, self.params, self.logical_axis_rules)
@@ -112,10 +124,11 @@ class Program:
             self.optimizer,
             lambda _, sharding: sharding,
             abstract_state["opt_state"],
-            params,
+            trained(params, self.params),
             transform_non_params=lambda _: replicated,
         )
-        return {"step": replicated, "params": params, "opt_state": opt_state}
+        state = {"step": replicated, "params": trained(params, self.params), "opt_state": opt_state}
+        return {**state, "frozen": frozen(params, self.params)} if self.has_frozen else state
 
     def abstract_state(self, mesh):
         """The train state's shapes, dtypes and shardings, without allocating it."""
@@ -165,7 +178,7 @@ class Program:
 
     def jit_eval_step(self, mesh, global_batch):
         batch = self.batch_sharding(mesh, global_batch)
-        params = self.state_shardings(mesh)["params"]
+        params = self.param_shardings(mesh)
         return jax.jit(
             self.eval_step, in_shardings=(params, batch, batch, batch), out_shardings=NamedSharding(mesh, P())
         )
@@ -173,18 +186,31 @@ class Program:
     def compile_eval_step(self, mesh, global_batch):
         """The eval step compiled ahead of time for this batch, and its per-device peak bytes."""
         tokens = self.batch_shape(mesh, global_batch)
-        params = self.abstract_state(mesh)["params"]
+        params = self.model_params(self.abstract_state(mesh))
         compiled = self.jit_eval_step(mesh, global_batch).lower(params, tokens, tokens, tokens).compile()
         return compiled, memory.step_peak_bytes(compiled.memory_analysis())
 
-    def restore_params(self, path, mesh):
-        """Params from an `axgen convert-hf` checkpoint, restored straight into this mesh's shardings."""
-        abstract = jax.tree.map(
+    def abstract_params(self, mesh):
+        """The params' shapes, dtypes and shardings, without allocating them."""
+        return jax.tree.map(
             lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
             jax.eval_shape(self.init_params, jax.random.key(0)),
             self.param_shardings(mesh),
         )
-        return checkpoints.restore_params(path, abstract, self.config["model"])
+
+    def restore_params(self, path, mesh):
+        """Params from an `axgen convert-hf` checkpoint, restored straight into this mesh's shardings. A program's
+        adapters (F.lora) come from it where convert-hf wrote a PEFT adapter's (--adapter); else from the seed.
+        """
+        abstract = self.abstract_params(mesh)
+        adapters = select(self.params, self.params, lambda spec: spec.adapter)
+        if not adapters or checkpoints.adapter_of(path):
+            return checkpoints.restore_params(path, abstract, self.config["model"])
+        base = select(abstract, self.params, lambda spec: not spec.adapter)
+        params = checkpoints.restore_params(path, base, self.config["model"])
+        shardings = select(self.param_shardings(mesh), self.params, lambda spec: spec.adapter)
+        draw = jax.jit(lambda rng: init_adapters(self.params, rng), out_shardings=shardings)
+        return joined(params, draw(jax.random.key(self.config["seed"])))
 
 
 def _minor(version: str) -> str:

@@ -19,6 +19,7 @@ from axgen.runtime.dataset import (
 )
 from axgen.runtime.faults import NonFiniteGuard, RunDirError, StopSignals, lock_run_dir, make_run_dir
 from axgen.runtime.metrics import MetricsLog, Progress, schedule_points
+from axgen.runtime.params import frozen
 from axgen.runtime.program import IncompatibleProgram, Program
 from axgen.runtime.training import BatchSplitError
 
@@ -37,7 +38,9 @@ def main(module, argv=None) -> int:
     try:
         train_data, eval_data, eval_batches = open_data(program, args)
         created = make_run_dir(args.run_dir)
-    except (DatasetError, RunDirError) as refused:  # refused before jax starts: bad input, as a bad flag is
+        if program.has_frozen:
+            args.init_from = checkpoints.run_base(args.run_dir, args.init_from)
+    except (DatasetError, RunDirError, ValueError) as refused:  # refused before jax starts, as a bad flag is
         print(f"error: {refused}", file=sys.stderr)
         return 2
     try:
@@ -112,7 +115,8 @@ def train(program: Program, args, train_data, eval_data, eval_batches, began, cr
             if step == start or done % args.log_every == 0 or done == args.steps or stopping:
                 progress.train(done, jax.device_get(metrics))
             if eval_data and (done % args.eval_every == 0 or done == args.steps):
-                progress.eval(done, *evaluate(eval_fn, state["params"], eval_data, sharding, eval_batches))
+                params = program.model_params(state)
+                progress.eval(done, *evaluate(eval_fn, params, eval_data, sharding, eval_batches))
             if done % config["checkpoint_every"] == 0:
                 checkpoints.save(manager, state)
             if stopping:
@@ -200,16 +204,27 @@ def restore_or_init(program: Program, manager, mesh, args):
     """The newest checkpoint of this run that verifies; else the params of --init-from with a fresh optimizer;
     else a seeded init. Returns the state, where it came from in words, and what the start line calls the time
     it took (restore, or init where nothing was read)."""
-    state, step = checkpoints.newest_verified(manager, mesh, args.run_dir, program.abstract_state(mesh))
+    saved = checkpoints.saved_part(program.abstract_state(mesh))
+    state, step = checkpoints.newest_verified(manager, mesh, args.run_dir, saved)
+    if state is not None and program.has_frozen:  # the base its adapters train on, loaded as when it began
+        state = {**state, "frozen": frozen(initial_params(program, mesh, args), program.params)}
     if state is not None:
         return state, f"resumed from step {step}", "restore"
     shardings = program.state_shardings(mesh)
     if args.init_from:
-        params = program.restore_params(args.init_from, mesh)
+        params = initial_params(program, mesh, args)
         state = jax.jit(program.state_from_params, out_shardings=shardings)(params)
         return state, f"params from {args.init_from}, a fresh optimizer state", "restore"
     state = jax.jit(program.init_state, out_shardings=shardings)(jax.random.key(program.config["seed"]))
     return state, "initialised from seed", "init"
+
+
+def initial_params(program: Program, mesh, args):
+    """The params a run begins with: those of --init-from, else drawn from the seed."""
+    if args.init_from:
+        return program.restore_params(args.init_from, mesh)
+    draw = jax.jit(program.init_params, out_shardings=program.param_shardings(mesh))
+    return draw(jax.random.key(program.config["seed"]))
 
 
 def evaluate(eval_fn, params, data, batch_sharding, num_batches):

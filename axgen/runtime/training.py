@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
-from axgen.runtime.params import is_param_spec
+from axgen.runtime.params import is_param_spec, joined, trained
 from axgen.runtime.sharding import constrain, logical_to_mesh, replica_axes
 
 
@@ -40,17 +40,22 @@ def _accumulation_steps(batch, microbatch: int, rules: dict) -> int:
     return accumulation_steps(batch[0].shape[0], microbatch, rules, {} if mesh.empty else dict(mesh.shape))
 
 
-def gradients(loss_fn, params, batch, microbatch: int, specs, rules: dict):
-    """((loss, metrics), grads) of `loss_fn(params, *batch)` over the whole batch, in passes of `microbatch`
-    sequences per device: with more rows than one pass takes, they are summed over the passes, which lax.scan runs
-    one after another, so only one pass's activations are alive at a time. Row i goes to pass i % passes: every
+def gradients(loss_fn, state: dict, batch, microbatch: int, specs, rules: dict):
+    """((loss, metrics), grads) of `loss_fn(params, *batch)` over the whole batch, the params being the state's
+    trained ones with its frozen ones (F.lora's base, `state["frozen"]`; grads hold the trained ones only), in
+    passes of `microbatch` sequences per device: with more rows than one pass takes, they are summed over the
+    passes, which lax.scan runs one after another, so only one pass's activations are alive at a time. Row i goes to pass i % passes: every
     pass takes rows from every device, and no tokens move. The number of passes follows from the batch (`--batch`),
     so a larger batch keeps the pass the spec's rule sized and takes more of them.
 
     Over several passes on a data x fsdp mesh, the devices along the `replica_axes` (data parallelism; slices,
     whose links are the data-centre network) sum their own passes' gradients apart and reduce them once, after the
     last pass: a reduction per pass would cross those links `passes` times a step."""
-    accum_steps = _accumulation_steps(batch, microbatch, rules)
+    # Differentiated by the trained params alone: no weight gradient of a frozen base is ever made. The frozen
+    # params travel with the batch, as an argument, into the shard_map below.
+    params, batch, specs = state["params"], (state.get("frozen", {}), *batch), trained(specs, specs)
+    loss_fn = functools.partial(_with_frozen, loss_fn)
+    accum_steps = _accumulation_steps(batch[1:], microbatch, rules)
     if accum_steps == 1:
         return jax.value_and_grad(loss_fn, has_aux=True)(params, *batch)
     mesh = jax.sharding.get_abstract_mesh()
@@ -64,8 +69,8 @@ def gradients(loss_fn, params, batch, microbatch: int, specs, rules: dict):
         # partitioning meets a GSPMDSharding with data x model). There the passes' gradients meet once a pass.
         return accumulate(params, batch)
 
-    def on_replica(params, batch):
-        values, grads = accumulate(params, batch)
+    def on_replica(params, frozen, batch):
+        values, grads = accumulate(params, (frozen, *batch))
 
         # Each replica's sums are means over its own rows: the batch's are their mean (statistics: their maximum;
         # experts' loads add up as gradients do).
@@ -80,20 +85,26 @@ def gradients(loss_fn, params, batch, microbatch: int, specs, rules: dict):
     return jax.shard_map(
         on_replica,
         mesh=mesh,
-        in_specs=(P(), P(replicas)),
+        in_specs=(P(), P(), P(replicas)),
         out_specs=P(),
         axis_names=set(replicas),
         check_vma=False,
-    )(params, batch)
+    )(params, batch[0], batch[1:])
+
+
+def _with_frozen(loss_fn, params, frozen, *batch):
+    return loss_fn(joined(params, frozen), *batch)
 
 
 def _accumulated(loss_fn, params, batch, accum_steps: int, specs, rules: dict):
-    """`gradients` summed over `accum_steps` passes of the batch's rows, one after another."""
-    microbatches = _microbatches(batch, accum_steps)
+    """`gradients` summed over `accum_steps` passes of the batch's rows (after the frozen params, batch[0]), one
+    after another."""
+    frozen, microbatches = batch[0], _microbatches(batch[1:], accum_steps)
     # Each microbatch counts 1/accum_steps, so the sums are means over the batch, gradients included (means of
     # the microbatches' means: exact when they count the same number of targets).
     grad_fn = jax.value_and_grad(
-        lambda p, microbatch: jax.tree.map(lambda x: x / accum_steps, loss_fn(p, *microbatch)), has_aux=True
+        lambda p, microbatch: jax.tree.map(lambda x: x / accum_steps, loss_fn(p, frozen, *microbatch)),
+        has_aux=True,
     )
 
     def as_params(grads):
@@ -145,7 +156,9 @@ def apply_gradients(optimizer, learning_rate, state: dict, grads, loss, metrics:
     e.g. fp8 amax histories) are not trained: backward returns each one's next value where a gradient would be. A
     correction bias (a statistic with a balance_rate) gets each expert's load over the step instead, and moves by
     the rate toward balance: up for an expert below the mean load, down above it (DeepSeek-V3). A non-finite loss
-    or gradient never reaches the params or the optimizer's moments: the step is skipped."""
+    or gradient never reaches the params or the optimizer's moments: the step is skipped. Frozen params (F.lora's
+    base) pass through as they are."""
+    specs = trained(specs, specs)
     statistics = grads
     grads = jax.tree.map(lambda g, spec: g if spec.trained else jnp.zeros_like(g), grads, specs)
     updates, opt_state = optimizer.update(grads, state["opt_state"], state["params"])
@@ -170,7 +183,7 @@ def apply_gradients(optimizer, learning_rate, state: dict, grads, loss, metrics:
         (state["params"], state["opt_state"]),
     )
     metrics["skipped"] = jnp.logical_not(finite)
-    return {"step": state["step"] + 1, "params": kept[0], "opt_state": kept[1]}, metrics
+    return {**state, "step": state["step"] + 1, "params": kept[0], "opt_state": kept[1]}, metrics
 
 
 def balanced(bias, load, rate: float):

@@ -583,6 +583,42 @@ class MLA(Feature):
                 self.fail("q_lora_rank", f"replaces the q, k, v projections that F.{other} changes")
 
 
+# The projections F.lora adapts, by the module names PEFT's `target_modules` gives them (HF's Linear layers).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoRA(Feature):
+    """Low-rank adapters (Hu et al., 2021), trained as PEFT trains them: each projection `targets` names (PEFT's
+    `target_modules`: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj) adds `scale * (x A) B` to
+    its frozen weight's product, A [in, rank] drawn as PEFT draws it (Kaiming-uniform), B [rank, out] zeros.
+    `scale` is alpha / rank, or alpha / sqrt(rank) with `use_rslora` (Kalajdzievski, 2023). Only the adapters
+    train: every other param is frozen, so gradients, optimizer moments and checkpoints hold the adapters alone.
+    """
+
+    pass_name: typing.ClassVar[str] = "lora"
+    rank: int
+    alpha: float
+    targets: tuple[str, ...] = LORA_TARGETS
+    use_rslora: bool = False
+
+    def validate(self) -> None:
+        self.require_positive("rank", "alpha")
+        if not self.targets:
+            self.fail("targets", f"names no projection; PEFT's names are {', '.join(LORA_TARGETS)}")
+        unknown = [t for t in self.targets if t not in LORA_TARGETS]
+        if unknown:
+            self.fail(
+                "targets",
+                f"names {unknown[0]!r}, which is not one of {', '.join(LORA_TARGETS)}"
+                f"{suggest(unknown[0], LORA_TARGETS)}",
+            )
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / (self.rank**0.5 if self.use_rslora else self.rank)
+
+
 class features:  # noqa: N801 - a namespace, used as `features as F` in spec files
     """Feature constructors for `Model.features`: `F.rope(theta=5e5, scaling=F.rope_scaling(factor=8.0))`."""
 
@@ -602,3 +638,4 @@ class features:  # noqa: N801 - a namespace, used as `features as F` in spec fil
     out_bias = OutBias
     gpt_oss_experts = GptOssExperts
     mla = MLA
+    lora = LoRA

@@ -468,8 +468,9 @@ LEARNING_RATE = optax.warmup_cosine_decay_schedule(
 
 
 def make_optimizer():
-    """AdamW with global-norm clipping; norms and embeddings are not decayed."""
-    decay_mask = jax.tree.map(lambda s: s.decay, PARAMS)
+    """AdamW with global-norm clipping over the trained params (all but frozen ones); norms and embeddings are not
+    decayed."""
+    decay_mask = jax.tree.map(lambda s: s.decay, runtime.trained(PARAMS, PARAMS))
     adamw = optax.adamw(
         LEARNING_RATE,
         b1=CONFIG["b1"],
@@ -493,9 +494,7 @@ def train_step(state, tokens, segment_ids=None, loss_mask=None):
     segment_ids = jnp.ones_like(tokens) if segment_ids is None else segment_ids
     loss_mask = jnp.ones_like(tokens) if loss_mask is None else loss_mask
     batch = (tokens, segment_ids, loss_mask)
-    (loss, metrics), grads = runtime.gradients(
-        loss_fn, state["params"], batch, MICROBATCH, PARAMS, LOGICAL_AXIS_RULES
-    )
+    (loss, metrics), grads = runtime.gradients(loss_fn, state, batch, MICROBATCH, PARAMS, LOGICAL_AXIS_RULES)
     metrics = {**metrics, "targets": runtime.trained_targets(segment_ids, loss_mask).sum()}
     return runtime.apply_gradients(OPTIMIZER, LEARNING_RATE, state, grads, loss, metrics, PARAMS)
 
