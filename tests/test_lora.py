@@ -121,6 +121,10 @@ def cli(capsys, *argv) -> tuple[int, str]:
     return code, captured.out + captured.err
 
 
+def succeeds(*argv) -> None:
+    assert axgen([str(a) for a in argv]) == 0, argv
+
+
 @pytest.fixture(scope="module")
 def lora_cli_run(tmp_path_factory):
     """The user's path, by the command line: the base converted with PEFT's adapter, 3 steps trained, stopped,
@@ -138,68 +142,24 @@ def lora_cli_run(tmp_path_factory):
     write_dataset(
         root / "data", [rng.integers(1, 128, 60) for _ in range(40)], vocab_size=128, bos_id=None, eos_id=0
     )
-    assert (
-        axgen(
-            [
-                "convert-hf",
-                str(spec),
-                "--hf",
-                str(root / "hf"),
-                "--adapter",
-                str(FIXTURES / "peft_llama_gqa"),
-                "--out",
-                str(root / "ckpt"),
-            ]
-        )
-        == 0
-    )
-    assert axgen(["build", str(spec), "--target", "cpu-8", "--out", str(root / "program.py")]) == 0
-    first = run_in_process(
-        root / "program.py",
-        "--data",
-        root / "data",
-        "--run-dir",
-        root / "run",
-        "--steps",
-        3,
-        "--log-every",
-        1,
-        "--init-from",
+    succeeds(
+        "convert-hf",
+        spec,
+        "--hf",
+        root / "hf",
+        "--adapter",
+        FIXTURES / "peft_llama_gqa",
+        "--out",
         root / "ckpt",
     )
-    resumed = run_in_process(
-        root / "program.py",
-        "--data",
-        root / "data",
-        "--run-dir",
-        root / "run",
-        "--steps",
-        5,
-        "--log-every",
-        1,
-    )
+    succeeds("build", spec, "--target", "cpu-8", "--out", root / "program.py")
+    run = ["--data", root / "data", "--run-dir", root / "run", "--batch", 8, "--log-every", 1]
+    first = run_in_process(root / "program.py", *run, "--steps", 3, "--init-from", root / "ckpt")
+    resumed = run_in_process(root / "program.py", *run, "--steps", 5)
     assert first.returncode == 0 and resumed.returncode == 0, first.stderr + resumed.stderr
-    assert (
-        axgen(
-            ["export-hf", str(spec), "--ckpt", str(root / "run"), "--adapter", "--out", str(root / "adapter")]
-        )
-        == 0
-    )
-    assert (
-        axgen(
-            [
-                "export-hf",
-                str(spec),
-                "--ckpt",
-                str(root / "run"),
-                "--merge",
-                "--dtype",
-                "float32",
-                "--out",
-                str(root / "merged"),
-            ]
-        )
-        == 0
+    succeeds("export-hf", spec, "--ckpt", root / "run", "--adapter", "--out", root / "adapter")
+    succeeds(
+        "export-hf", spec, "--ckpt", root / "run", "--merge", "--dtype", "float32", "--out", root / "merged"
     )
     return root, first.stdout + resumed.stdout
 
@@ -298,3 +258,31 @@ def test_the_ir_after_lora_holds_the_adapters_beside_frozen_weights(snapshot):
     graph = from_spec(spec)
     run_passes(graph, spec.features)
     assert graph.dump() == snapshot
+
+
+def test_a_bfloat16_base_restores_from_float32_and_trains_as_peft_does_within_its_rounding(
+    lora_cli_run, tmp_path
+):
+    root, _ = lora_cli_run
+    spec = tmp_path / "bf16_base.py"
+    spec.write_text(
+        "from axgen.spec import features as F\nfrom tests.fixtures.peft_llama_gqa_spec import spec as base\n"
+        "rope, lora = base.features\n"
+        'spec = base.replace(name="bf16-base", features=[rope, lora.replace(base_dtype="bfloat16")])\n'
+    )
+    built = build(spec, "cpu-1")
+    assert 'frozen=True, dtype="bfloat16"' in built.source and "base_dtype=bfloat16" in built.source
+    write_atomically(tmp_path / "program.py", built.source)
+    module = load_program(tmp_path / "program.py")
+    program = Program.from_module(module)
+    mesh = program.make_mesh(jax.devices()[:1])
+    with jax.set_mesh(mesh):
+        state = program.state_from_params(program.restore_params(root / "ckpt", mesh))
+        assert {x.dtype for x in jax.tree.leaves(state["frozen"])} == {jnp.dtype(jnp.bfloat16)}
+        assert {x.dtype for x in jax.tree.leaves(state["params"])} == {jnp.dtype(jnp.float32)}
+        ones = jnp.ones_like(REFERENCE["tokens"][0])
+        losses = []
+        for batch in REFERENCE["tokens"][:5]:
+            state, metrics = jax.jit(module.train_step)(state, batch, ones, ones)
+            losses.append(float(metrics["loss"]))
+    np.testing.assert_allclose(losses, REFERENCE["losses"][:5], rtol=5e-3)

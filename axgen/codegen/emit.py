@@ -126,6 +126,7 @@ def _param_entry(param, stack: int | None = None) -> str:
             ", decay=False" if not param.decay else "",
             ", trained=False" if not param.trained else "",
             ", frozen=True" if param.frozen else "",
+            f', dtype="{param.dtype}"' if param.dtype != "float32" else "",
             ", adapter=True" if param.adapter else "",
             f", balance_rate={param.balance_rate}" if param.balance_rate is not None else "",
         ]

@@ -297,8 +297,10 @@ def lora_params(spec: Model, checkpoint: Path, merge: bool) -> dict:
             f"{checkpoint}: {spec.name} trains LoRA adapters; export them with --adapter, or the base with them"
             " merged in with --merge"
         )
+    from axgen.runtime.params import joined  # after load_params's host_jax(): it imports jax
+
     adapters = load_params(checkpoint)
-    return merged(_joined(load_params(run_base(checkpoint)), adapters), spec)
+    return merged(joined(load_params(run_base(checkpoint)), adapters), spec)
 
 
 def run_base(run_dir: Path) -> Path:
@@ -332,14 +334,6 @@ def _base_model_name(run_dir: Path) -> str | None:
     recorded = _recorded_base(run_dir) if (Path(run_dir) / BASE).is_file() else None
     source = Path(recorded or "") / SOURCE
     return json.loads(source.read_text()).get("hf_dir") if recorded and source.is_file() else None
-
-
-def _joined(base: dict, adapters: dict) -> dict:
-    """The base's params with the adapters' (which replace any the base's checkpoint holds)."""
-    out = dict(base)
-    for key, value in adapters.items():
-        out[key] = _joined(base.get(key, {}), value) if isinstance(value, dict) else value
-    return out
 
 
 def export_adapter(

@@ -148,8 +148,9 @@ def merged(params: dict, spec: Model) -> dict:
             delta = np.einsum(
                 "lir,lro->lio", a.reshape(a.shape[0], -1, rank), b.reshape(b.shape[0], rank, -1)
             )
-            w = np.asarray(out[weight])
-            out[weight] = (w + scale * delta.reshape(w.shape)).astype(w.dtype)
+            # In float32 whatever the base's dtype: export-hf writes the dtype it is asked for.
+            w = np.asarray(out[weight], np.float32)
+            out[weight] = w + scale * delta.reshape(w.shape)
         return out
 
     return merge(params)

@@ -88,6 +88,7 @@ class Param:
     hf: HFWeight | None = None  # None: not in HF checkpoints (starts from its init)
     # Loaded and never trained: no gradient, no optimizer moments, not in the run's checkpoints (F.lora's base).
     frozen: bool = False
+    dtype: str = "float32"  # how the program stores it (F.lora's base may be bfloat16)
     # A low-rank adapter (F.lora): `hf` names its tensor in a PEFT adapter file, not in the model's checkpoint.
     adapter: bool = False
 
@@ -102,6 +103,7 @@ class Param:
                 "" if self.decay else " no-decay",
                 "" if self.trained else " untrained",
                 " frozen" if self.frozen else "",
+                f" {self.dtype}" if self.dtype != "float32" else "",
                 " adapter" if self.adapter else "",
             ]
         )

@@ -32,20 +32,14 @@ def _adapters(w: Param, x: TensorType, rank: int) -> dict[str, Param]:
     a_type = w.type.drop(*made).concat(rank_axis)
     b_type = rank_axis.concat(w.type.drop(*[axis for axis in w.type.axes if axis not in made]))
     return {
-        "lora_a": Param(
-            f"{w.key}_lora_a",
-            a_type,
-            init="kaiming_uniform",
+        f"lora_{part}": Param(
+            f"{w.key}_lora_{part}",
+            type_,
+            init=init,
             adapter=True,
-            hf=HFWeight(f"base_model.model.{module}.lora_A.weight", transpose=True),
-        ),
-        "lora_b": Param(
-            f"{w.key}_lora_b",
-            b_type,
-            init="zeros",
-            adapter=True,
-            hf=HFWeight(f"base_model.model.{module}.lora_B.weight", transpose=True),
-        ),
+            hf=HFWeight(f"base_model.model.{module}.lora_{part.upper()}.weight", transpose=True),
+        )
+        for part, type_, init in (("a", a_type, "kaiming_uniform"), ("b", b_type, "zeros"))
     }
 
 
@@ -66,7 +60,7 @@ def lora(g: Graph, cfg: LoRA) -> None:
     # Everything else is the frozen base; statistics (fp8 amax histories) go on following their dots.
     for node in list(g.nodes()):
         frozen = {
-            role: dataclasses.replace(p, frozen=True)
+            role: dataclasses.replace(p, frozen=True, dtype=cfg.base_dtype)
             for role, p in node.params.items()
             if p.trained and not p.adapter
         }

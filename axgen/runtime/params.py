@@ -22,6 +22,7 @@ class ParamSpec:
     # optimizer trains (`state["frozen"]`), and checkpoints leave it out: it is loaded again on resume.
     frozen: bool = False
     adapter: bool = False  # a low-rank adapter (F.lora): not in the base model's checkpoint
+    dtype: str = "float32"  # how the param is stored (F.lora's frozen base may be bfloat16)
 
 
 def is_param_spec(x) -> bool:
@@ -60,7 +61,7 @@ def joined(*parts: dict) -> dict:
 
 
 def init_params(specs, rng):
-    """float32 parameters for a tree of ParamSpec; each one drawn from its own key. Adapters are drawn apart,
+    """Parameters for a tree of ParamSpec, in each one's dtype (float32 unless it says); each drawn from its own key. Adapters are drawn apart,
     from their own key (`init_adapters`), so a run that loads its base draws the same adapters as one that
     draws it."""
     base = select(specs, specs, lambda spec: not spec.adapter)
@@ -79,6 +80,10 @@ def init_adapters(specs, rng) -> dict:
 
 
 def _init_param(key, spec: ParamSpec):
+    return _drawn(key, spec).astype(spec.dtype)
+
+
+def _drawn(key, spec: ParamSpec):
     if spec.init == "ones":
         return jnp.ones(spec.shape, jnp.float32)
     if spec.init == "zeros":

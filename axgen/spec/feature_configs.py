@@ -585,6 +585,7 @@ class MLA(Feature):
 
 # The projections F.lora adapts, by the module names PEFT's `target_modules` gives them (HF's Linear layers).
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_BASE_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -594,16 +595,23 @@ class LoRA(Feature):
     its frozen weight's product, A [in, rank] drawn as PEFT draws it (Kaiming-uniform), B [rank, out] zeros.
     `scale` is alpha / rank, or alpha / sqrt(rank) with `use_rslora` (Kalajdzievski, 2023). Only the adapters
     train: every other param is frozen, so gradients, optimizer moments and checkpoints hold the adapters alone.
-    """
+    `base_dtype="bfloat16"` stores the frozen params in bfloat16, half their float32 bytes (the adapters stay
+    float32); a base loaded from float32 is rounded once, as a bfloat16 forward would round it anyway."""
 
     pass_name: typing.ClassVar[str] = "lora"
     rank: int
     alpha: float
     targets: tuple[str, ...] = LORA_TARGETS
     use_rslora: bool = False
+    base_dtype: str = "float32"
 
     def validate(self) -> None:
         self.require_positive("rank", "alpha")
+        if self.base_dtype not in LORA_BASE_DTYPES:
+            self.fail(
+                "base_dtype",
+                f"is not one of {', '.join(LORA_BASE_DTYPES)}{suggest(self.base_dtype, LORA_BASE_DTYPES)}",
+            )
         if not self.targets:
             self.fail("targets", f"names no projection; PEFT's names are {', '.join(LORA_TARGETS)}")
         unknown = [t for t in self.targets if t not in LORA_TARGETS]
@@ -617,6 +625,9 @@ class LoRA(Feature):
     @property
     def scale(self) -> float:
         return self.alpha / (self.rank**0.5 if self.use_rslora else self.rank)
+
+    def unremarkable(self) -> tuple[str, ...]:
+        return ("base_dtype",) if self.base_dtype == "float32" else ()
 
 
 class features:  # noqa: N801 - a namespace, used as `features as F` in spec files
