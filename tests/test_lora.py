@@ -140,7 +140,12 @@ def lora_cli_run(tmp_path_factory):
     spec = FIXTURES / "peft_llama_gqa_spec.py"
     rng = np.random.default_rng(0)
     write_dataset(
-        root / "data", [rng.integers(1, 128, 60) for _ in range(40)], vocab_size=128, bos_id=None, eos_id=0
+        root / "data",
+        [rng.integers(1, 128, 60) for _ in range(40)],
+        vocab_size=128,
+        bos_id=None,
+        eos_id=0,
+        eval_fraction=0.1,
     )
     succeeds(
         "convert-hf",
@@ -155,7 +160,7 @@ def lora_cli_run(tmp_path_factory):
     succeeds("build", spec, "--target", "cpu-8", "--out", root / "program.py")
     run = ["--data", root / "data", "--run-dir", root / "run", "--batch", 8, "--log-every", 1]
     first = run_in_process(root / "program.py", *run, "--steps", 3, "--init-from", root / "ckpt")
-    resumed = run_in_process(root / "program.py", *run, "--steps", 5)
+    resumed = run_in_process(root / "program.py", *run, "--steps", 5, "--eval-every", 5, "--eval-batches", 1)
     assert first.returncode == 0 and resumed.returncode == 0, first.stderr + resumed.stderr
     succeeds("export-hf", spec, "--ckpt", root / "run", "--adapter", "--out", root / "adapter")
     succeeds(
@@ -166,7 +171,7 @@ def lora_cli_run(tmp_path_factory):
 
 def test_a_lora_run_checkpoints_its_adapters_alone_and_resumes_on_its_recorded_base(lora_cli_run):
     root, log = lora_cli_run
-    assert "params from" in log and "resumed from step 3" in log
+    assert "params from" in log and "resumed from step 3" in log and "eval step 5" in log
     state = checkpoints.read_on_host(root / "run/checkpoints/5/state")
     assert set(state) == {"step", "params", "opt_state"}
     names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state["params"])]
