@@ -95,7 +95,7 @@ def test_merged_model_gives_the_logits_of_pefts_merge_and_unload(lora_run, tmp_p
 
 
 def test_only_the_adapters_train_and_the_base_is_kept_apart(lora_run):
-    state, program = lora_run["state"], lora_run["program"]
+    state = lora_run["state"]
     trained = jax.tree_util.tree_leaves_with_path(state["params"])
     assert trained and all("lora" in jax.tree_util.keystr(path) for path, _ in trained)
     moments = [x for x in jax.tree.leaves(state["opt_state"]) if x.ndim > 0]
