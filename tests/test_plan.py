@@ -46,13 +46,13 @@ def test_plan_drops_what_does_not_fit_ranks_the_rest_and_writes_the_winner(tmp_p
     out = capsys.readouterr().out
     assert code == 0, out
     # First the target's own rule (the H100 backend's save_dots, 2 sequences a pass). Keeping everything, 128
-    # sequences per pass need 154 GiB, over the 75.2 GiB the program's allocator takes (95% of 79.1). Half the pass
-    # keeps at least half the temporaries, 77.76 GiB, so 64 is pruned without a compile (compiled, it needed
-    # 78.65); 32 fits, and the fourth compile goes to the next policy.
-    assert "[1/4] 1 device, microbatch 2, save_dots: fits (3.55 GiB)" in out
-    assert "[2/4] 1 device, microbatch 128, none: does not fit (154.00 GiB)" in out
-    assert "pruned 1 device, microbatch 64, none: needs at least 77.76 GiB, more than 75.2 usable" in out
-    assert "[3/4] 1 device, microbatch 32, none: fits (41.58 GiB)" in out
+    # sequences per pass need 154.5 GiB, over the 75.2 GiB the program's allocator takes (95% of 79.1). Half the pass
+    # keeps at least half the temporaries, 78.01 GiB, so 64 is pruned without a compile (compiled, it needed
+    # more still); 32 fits, and the fourth compile goes to the next policy.
+    assert "[1/4] 1 device, microbatch 2, save_dots: fits (3.50 GiB)" in out
+    assert "[2/4] 1 device, microbatch 128, none: does not fit (154.50 GiB)" in out
+    assert "pruned 1 device, microbatch 64, none: needs at least 78.01 GiB, more than 75.2 usable" in out
+    assert "[3/4] 1 device, microbatch 32, none: fits (41.88 GiB)" in out
     assert "3 fit 75.2 GiB usable per device; 1 did not:" in out
     [row] = [line for line in out.splitlines() if line.startswith("   1  ")]
     assert row.split()[1:5] == ["1", "device", "128", "save_dots"]
