@@ -315,10 +315,10 @@ def run_base(run_dir: Path) -> Path:
 
 
 def _recorded_base(run_dir: Path) -> str | None:
-    from axgen.runtime.checkpoints import BASE
+    from axgen.runtime.checkpoints import BASE, recorded_base
 
     try:
-        return json.loads((Path(run_dir) / BASE).read_text())["init_from"]
+        return recorded_base(run_dir)
     except (OSError, ValueError, KeyError):
         raise CheckpointError(
             f"{run_dir}: not the run directory of a LoRA run (no readable {BASE} naming its base)"

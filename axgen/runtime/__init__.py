@@ -27,6 +27,7 @@ _HOMES = {
     "fp8_ragged_dot": "quantized_experts",
     "gradients": "training",
     "grouped_matmul": "moe",
+    "in_compute_dtype": "params",
     "init_params": "params",
     "int8_einsum": "quantize",
     "int8_ragged_dot": "quantized_experts",

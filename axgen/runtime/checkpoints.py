@@ -170,8 +170,7 @@ def run_base(run_dir, init_from) -> str | None:
     not replace (ValueError saying so); else `init_from` (absolute), recorded now."""
     path, given = os.path.join(run_dir, BASE), init_from and os.path.abspath(init_from)
     if os.path.exists(path):
-        with open(path) as file:
-            recorded = json.load(file)["init_from"]
+        recorded = recorded_base(run_dir)
         if init_from is not None and given != recorded:
             raise ValueError(
                 f"--init-from {init_from}: the run in {run_dir} trains its adapters on the base"
@@ -182,6 +181,13 @@ def run_base(run_dir, init_from) -> str | None:
         json.dump({"init_from": given}, file)
     os.replace(path + ".tmp", path)
     return given
+
+
+def recorded_base(run_dir) -> str | None:
+    """The base `run_base` recorded in `run_dir`: an --init-from folder, or None for one drawn from the seed.
+    OSError, ValueError or KeyError where the run recorded none."""
+    with open(os.path.join(run_dir, BASE)) as file:
+        return json.load(file)["init_from"]
 
 
 # Beside the params `axgen convert-hf` writes: the Hugging Face folder they came from and its tokenizer.json's

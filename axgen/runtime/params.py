@@ -60,6 +60,12 @@ def joined(*parts: dict) -> dict:
     return whole
 
 
+def in_compute_dtype(params: dict, dtype, stacked) -> dict:
+    """The params in `dtype`, but for the `stacked` blocks', which each layer casts as it runs: a cast of a whole
+    stack would hold a second copy of every layer's weights for the step."""
+    return {k: v if k in stacked else jax.tree.map(lambda w: w.astype(dtype), v) for k, v in params.items()}
+
+
 def init_params(specs, rng):
     """Parameters for a tree of ParamSpec, in each one's dtype (float32 unless it says); each drawn from its own key. Adapters are drawn apart,
     from their own key (`init_adapters`), so a run that loads its base draws the same adapters as one that

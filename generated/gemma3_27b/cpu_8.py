@@ -180,14 +180,6 @@ ROPE_SCALING = {"rule": "linear", "factor": 8.0}
 STACKED = ["layers", "tail_layers", "global_layers"]
 
 
-def in_compute_dtype(params):
-    """The params in COMPUTE_DTYPE, but for the stacked blocks', which each layer casts as it runs."""
-    return {
-        k: v if k in STACKED else jax.tree.map(lambda w: w.astype(COMPUTE_DTYPE), v)
-        for k, v in params.items()
-    }
-
-
 def decoder_layer(x, p, positions, segment_ids):
     """One of the 52 layers: x [batch, seq, embed] -> same. `p` holds this layer's params; `positions` and `segment_ids` [batch, seq] say where each token is in which document."""
     p = jax.tree.map(lambda w: w.astype(COMPUTE_DTYPE), p)
@@ -323,7 +315,7 @@ def hidden_with_aux(params, tokens, segment_ids=None):
     losses and metrics, each averaged over the layers that make it). `segment_ids` [batch, seq] numbers the
     documents packed into each row (default: one document per row); a token attends only to its own document's.
     """
-    params = in_compute_dtype(params)
+    params = runtime.in_compute_dtype(params, COMPUTE_DTYPE, STACKED)
     segment_ids = jnp.ones_like(tokens) if segment_ids is None else segment_ids
     # tokens · specs/gemma3_27b.py
     positions = document_positions(segment_ids)  # [batch, seq]
@@ -351,7 +343,7 @@ def forward_with_aux(params, tokens, segment_ids=None):
     """tokens [batch, seq] int32 -> (logits [batch, seq, vocab] in COMPUTE_DTYPE, auxiliary losses and metrics):
     hidden_with_aux and the output head. Training never makes these logits (see target_losses)."""
     final_norm, aux = hidden_with_aux(params, tokens, segment_ids)
-    params = in_compute_dtype(params)
+    params = runtime.in_compute_dtype(params, COMPUTE_DTYPE, STACKED)
     # output · specs/gemma3_27b.py: vocab_size
     logits = jnp.einsum("bse,ve->bsv", final_norm, params["embed"])  # tied to the input embedding
     logits = constrain(logits, ("batch", "seq", "vocab"))

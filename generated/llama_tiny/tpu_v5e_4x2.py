@@ -161,14 +161,6 @@ REMAT_POLICY = jax.checkpoint_policies.save_only_these_names("qkv_proj", "out_pr
 STACKED = ["layers"]
 
 
-def in_compute_dtype(params):
-    """The params in COMPUTE_DTYPE, but for the stacked blocks', which each layer casts as it runs."""
-    return {
-        k: v if k in STACKED else jax.tree.map(lambda w: w.astype(COMPUTE_DTYPE), v)
-        for k, v in params.items()
-    }
-
-
 @functools.partial(jax.checkpoint, policy=REMAT_POLICY, prevent_cse=False)  # called only under scan
 def decoder_layer(x, p, positions, segment_ids):
     """One of the 4 layers: x [batch, seq, embed] -> same. `p` holds this layer's params; `positions` and `segment_ids` [batch, seq] say where each token is in which document."""
@@ -233,7 +225,7 @@ def hidden_with_aux(params, tokens, segment_ids=None):
     losses and metrics, each averaged over the layers that make it). `segment_ids` [batch, seq] numbers the
     documents packed into each row (default: one document per row); a token attends only to its own document's.
     """
-    params = in_compute_dtype(params)
+    params = runtime.in_compute_dtype(params, COMPUTE_DTYPE, STACKED)
     segment_ids = jnp.ones_like(tokens) if segment_ids is None else segment_ids
     # tokens · specs/llama_tiny.py
     positions = document_positions(segment_ids)  # [batch, seq]
@@ -253,7 +245,7 @@ def forward_with_aux(params, tokens, segment_ids=None):
     """tokens [batch, seq] int32 -> (logits [batch, seq, vocab] in COMPUTE_DTYPE, auxiliary losses and metrics):
     hidden_with_aux and the output head. Training never makes these logits (see target_losses)."""
     final_norm, aux = hidden_with_aux(params, tokens, segment_ids)
-    params = in_compute_dtype(params)
+    params = runtime.in_compute_dtype(params, COMPUTE_DTYPE, STACKED)
     # output · specs/llama_tiny.py: vocab_size
     logits = jnp.einsum("bse,ev->bsv", final_norm, params["lm_head"])  # [batch, seq, vocab=512]
     logits = constrain(logits, ("batch", "seq", "vocab"))
