@@ -248,6 +248,12 @@ def _parser() -> argparse.ArgumentParser:
         help="conversations in ShareGPT's form ({from, value}); implies --chat",
     )
     d.add_argument(
+        "--pairs",
+        action="store_true",
+        help="records are preference pairs (prompt, chosen, rejected: text, or messages rendered with the chat"
+        " template), tokenized as TRL's DPOTrainer does, for a spec with F.dpo or F.simpo",
+    )
+    d.add_argument(
         "--chat-template",
         metavar="T",
         help="chatml (built in), a .jinja file, or a name among tokenizer_config.json's templates (default: the"
@@ -258,7 +264,7 @@ def _parser() -> argparse.ArgumentParser:
         type=_positive,
         metavar="N",
         help="cut a longer conversation after its last assistant turn that ends within N tokens; drop it if none"
-        " does",
+        " does (--pairs: leave out a pair whose two sequences together exceed N, the program's seq_len + 1)",
     )
     d.set_defaults(run=_data)
 
@@ -631,12 +637,17 @@ def _corpus(args) -> int:
 
 def _data(args) -> int:
     from axgen.data.chat import load_chat_template
-    from axgen.data.datasets import build_chat_dataset, build_dataset, summary
+    from axgen.data.datasets import build_chat_dataset, build_dataset, build_pairs_dataset, summary
     from axgen.data.inputs import DataError
     from axgen.data.tokenizer import load_tokenizer
 
     args.chat = args.chat or args.sharegpt
-    if not args.chat:
+    if args.pairs:
+        given = [("--chat", args.chat), ("--doc-per-line", args.doc_per_line), ("--field", args.field)]
+        wrong = [flag for flag, value in [*given, ("--column", args.column)] if value]
+        if wrong:
+            raise DataError(f"{wrong[0]} is not for --pairs, whose records hold prompt, chosen and rejected")
+    elif not args.chat:
         for flag, value in (("--chat-template", args.chat_template), ("--max-len", args.max_len)):
             if value is not None:
                 raise DataError(f"{flag} is for conversations: pass --chat (or --sharegpt) too")
@@ -646,7 +657,22 @@ def _data(args) -> int:
     tokenizer = load_tokenizer(args.tokenizer, bos=args.bos, eos=args.eos)
     start = time.perf_counter()
     settings = dict(eval_fraction=args.eval_fraction, seed=args.seed, shard_tokens=args.shard_tokens)
-    if args.chat:
+    if args.pairs:
+        try:  # text pairs need no template: its absence is an error at the first conversational record
+            template = load_chat_template(tokenizer, args.chat_template, bos=args.bos, eos=args.eos)
+        except DataError as err:
+            template = err
+        manifest = build_pairs_dataset(
+            args.inputs,
+            tokenizer,
+            template,
+            args.out,
+            _read_options(args),
+            max_len=args.max_len,
+            overwrite=args.force,
+            **settings,
+        )
+    elif args.chat:
         template = load_chat_template(tokenizer, args.chat_template, bos=args.bos, eos=args.eos)
         manifest = build_chat_dataset(
             args.inputs,

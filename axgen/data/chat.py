@@ -282,7 +282,7 @@ class ChatTemplate:
         return entry
 
 
-def _parts_printed_as_lists(messages: list[dict], examples: list) -> int | None:
+def parts_printed_as_lists(messages: list[dict], examples: list) -> int | None:
     """The index of a message whose content is a list of parts (OpenAI's `[{"type": "text", "text": ...}]`) that
     the template printed as the Python repr of the list, as a text-only template does (transformers' rendering
     too): the model would train on the repr."""
@@ -565,7 +565,7 @@ def encode_conversations(
             except TemplateRaised as err:
                 skipped.bad(where, str(err))
                 continue
-            printed = _parts_printed_as_lists(messages, examples)
+            printed = parts_printed_as_lists(messages, examples)
             if printed is not None:
                 skipped.bad(
                     where,

@@ -24,10 +24,12 @@ from axgen.data.inputs import (
     expand_inputs,
     no_documents,
     read_conversations,
+    read_records,
     read_texts,
 )
+from axgen.data.pairs import PairCounts, encode_pairs
 from axgen.runtime import dataset
-from axgen.runtime.dataset import FORMAT, MANIFEST, MASKED_FORMAT
+from axgen.runtime.dataset import FORMAT, MANIFEST, MASKED_FORMAT, PAIRS_FORMAT
 from axgen.data.tokenizer import LoadedTokenizer
 
 SPLITS = ("train", "eval")
@@ -120,6 +122,45 @@ def build_chat_dataset(
         )
 
 
+def build_pairs_dataset(
+    inputs: Iterable[str],
+    tokenizer: LoadedTokenizer,
+    template: ChatTemplate | DataError,
+    out_dir: Path,
+    options: ReadOptions,
+    *,
+    max_len: int | None = None,
+    eval_fraction: float = 0.01,
+    seed: int = 0,
+    shard_tokens: int = 50_000_000,
+    overwrite: bool = False,
+) -> dict:
+    """`axgen data --pairs`: reads preference records (JSON Lines records, Parquet rows) with prompt, chosen and
+    rejected as text or as messages, tokenizes them as TRL's DPOTrainer does (`axgen.data.pairs`) and writes a
+    dataset of pairs (format 3); returns its manifest. `template` is the chat template, or why the tokenizer has
+    none (an error only for a conversational record). A pair whose two sequences exceed `max_len` tokens together
+    is left out and counted."""
+    files = expand_inputs(inputs)
+    skipped = Skipped(options.skip_bad)
+    counts = PairCounts(max_len=max_len, template=None if isinstance(template, DataError) else template)
+    paths, shown = progress.reading(files)
+    pairs = encode_pairs(read_records(paths, skipped), template, tokenizer, skipped=skipped, counts=counts)
+    with shown:
+        return _write_encoded(
+            out_dir,
+            progress.counted(pairs, shown),
+            tokenizer,
+            files,
+            skipped,
+            eval_fraction=eval_fraction,
+            seed=seed,
+            shard_tokens=shard_tokens,
+            overwrite=overwrite,
+            conversations=counts,
+            pairs=True,
+        )
+
+
 class _ChatManifest:
     """The manifest's "conversations" entry, read once every conversation has been counted."""
 
@@ -138,17 +179,19 @@ def summary(manifest: dict, seconds: float) -> str:
     """One line: documents (conversations) and tokens per split, shards, what was trained, cut and skipped, and
     throughput."""
     splits = manifest["splits"]
-    chat = manifest.get("conversations")
+    chat, pairs = manifest.get("conversations"), manifest.get("pairs")
     parts = []
     for name, split in splits.items():
         shards = len(split["shards"])
-        trained = f" ({split['num_trained_tokens']:,} trained)" if chat else ""
+        trained = f" ({split['num_trained_tokens']:,} trained)" if chat or pairs else ""
+        count = f"{split['num_documents'] // 2:,} pairs" if pairs else f"{split['num_documents']:,} documents"
+        count = f"{split['num_documents']:,} conversations" if chat else count
         parts.append(
-            f"{name} {split['num_documents']:,} {'conversations' if chat else 'documents'} /"
-            f" {split['num_tokens']:,} tokens{trained} in {shards} shard{'' if shards == 1 else 's'}"
+            f"{name} {count} / {split['num_tokens']:,} tokens{trained} in {shards} shard{'' if shards == 1 else 's'}"
         )
     tokens = sum(split["num_tokens"] for split in splits.values())
     cut = f"; {chat['truncated']} cut and {chat['dropped_too_long']} dropped by --max-len" if chat else ""
+    cut = f"; {pairs['dropped_too_long']} dropped by --max-len" if pairs else cut
     return (
         f"{', '.join(parts)}{cut}; {manifest['skipped']['count']} skipped; {tokens / seconds:,.0f} tokens/s"
     )
@@ -172,6 +215,7 @@ def write_dataset(
     skipped=(0, []),
     overwrite: bool = False,
     conversations=None,
+    pairs: bool = False,
 ) -> dict:
     """Writes `documents` (1-D integer arrays of token ids, without bos/eos) as a dataset; returns the
     manifest.
@@ -183,7 +227,8 @@ def write_dataset(
 
     With `conversations` (a dict for the manifest, or an object whose `manifest_entry()` gives one once
     `documents` is exhausted), the dataset is a masked one (format 2): each document is a pair (token ids, loss
-    mask of 0s and 1s, as long), stored as it is, without bos/eos."""
+    mask of 0s and 1s, as long), stored as it is, without bos/eos. With `pairs` too (format 3), each document is
+    a preference pair of two such (chosen, then rejected), which go to the same split and shard."""
     out_dir = Path(out_dir)
     _check_settings(vocab_size, bos_id, eos_id, eval_fraction, shard_tokens)
     check_replaceable(out_dir, overwrite, MANIFEST)
@@ -195,11 +240,11 @@ def write_dataset(
             name: _SplitWriter(staging, name, token_dtype, vocab_size, bos_id, eos_id, shard_tokens, masked)
             for name in SPLITS
         }
-        _distribute(documents, splits, eval_fraction, seed, masked)
+        _distribute(documents, splits, eval_fraction, seed, masked, pairs)
         skipped_count, skipped_examples = skipped
         _check_split_sizes(splits, list(sources), skipped_count)
         manifest = {
-            "format": MASKED_FORMAT if masked else FORMAT,
+            "format": PAIRS_FORMAT if pairs else MASKED_FORMAT if masked else FORMAT,
             "tokenizer": tokenizer
             or {"path": None, "sha256": None, "vocab_size": vocab_size, "bos_id": bos_id, "eos_id": eos_id},
             "token_dtype": np.dtype(token_dtype).name,
@@ -211,7 +256,7 @@ def write_dataset(
             "splits": {name: writer.manifest() for name, writer in splits.items()},
         }
         if masked:
-            manifest["conversations"] = (
+            manifest["pairs" if pairs else "conversations"] = (
                 conversations if isinstance(conversations, dict) else conversations.manifest_entry()
             )
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
@@ -237,25 +282,36 @@ def _check_settings(
 
 
 def _distribute(
-    documents: Iterable, splits: dict, eval_fraction: float, seed: int, masked: bool = False
+    documents: Iterable,
+    splits: dict,
+    eval_fraction: float,
+    seed: int,
+    masked: bool = False,
+    pairs: bool = False,
 ) -> None:
     rng = np.random.default_rng(seed)
-    for index, document in enumerate(documents):
-        mask = None
-        if masked:
-            document, mask = (np.asarray(part) for part in document)
-        else:
-            document = np.asarray(document)
-        if document.ndim != 1 or document.dtype.kind not in "iu":
-            shape = "x".join(map(str, document.shape)) or "scalar"
-            raise DataError(f"document {index}: expected a 1-D integer array, not {document.dtype} {shape}")
-        if mask is not None and (mask.shape != document.shape or not np.isin(mask, (0, 1)).all()):
-            raise DataError(
-                f"document {index}: its loss mask is not one 0 or 1 for each of its {len(document)} tokens"
-            )
-        splits["eval" if rng.random() < eval_fraction else "train"].add(document, mask)
+    for index, item in enumerate(documents):
+        parts = [_checked(index, document, masked) for document in (item if pairs else [item])]
+        splits["eval" if rng.random() < eval_fraction else "train"].add(parts)
     for writer in splits.values():
         writer.close()
+
+
+def _checked(index: int, document, masked: bool) -> tuple[np.ndarray, np.ndarray | None]:
+    """(token ids, loss mask or None) of document `index`, checked to be what the format stores."""
+    mask = None
+    if masked:
+        document, mask = (np.asarray(part) for part in document)
+    else:
+        document = np.asarray(document)
+    if document.ndim != 1 or document.dtype.kind not in "iu":
+        shape = "x".join(map(str, document.shape)) or "scalar"
+        raise DataError(f"document {index}: expected a 1-D integer array, not {document.dtype} {shape}")
+    if mask is not None and (mask.shape != document.shape or not np.isin(mask, (0, 1)).all()):
+        raise DataError(
+            f"document {index}: its loss mask is not one 0 or 1 for each of its {len(document)} tokens"
+        )
+    return document, mask
 
 
 def _check_split_sizes(splits: dict, sources: list[str], skipped_count: int) -> None:
@@ -307,11 +363,13 @@ class _SplitWriter:
         self.pending_tokens = 0
         self.shards: list[dict] = []
 
-    def add(self, document: np.ndarray, mask: np.ndarray | None = None) -> None:
-        self.pending.append(document)
-        if self.masked:
-            self.pending_masks.append(mask)
-        self.pending_tokens += len(document) + self.framing
+    def add(self, documents: list[tuple[np.ndarray, np.ndarray | None]]) -> None:
+        """(token ids, loss mask or None) of documents that stay in one shard (a preference pair's two)."""
+        for document, mask in documents:
+            self.pending.append(document)
+            if self.masked:
+                self.pending_masks.append(mask)
+            self.pending_tokens += len(document) + self.framing
         if self.pending_tokens >= self.shard_tokens:
             self._save_shard()
 

@@ -172,6 +172,26 @@ def read_conversations(
                 skipped.bad(where, f'a JSON {_json_type(record)}, not an object with a field "{field}"')
 
 
+def read_records(files: Iterable[Path], skipped: Skipped) -> Iterator[tuple[str, object]]:
+    """(where, record) of each JSON Lines record and each Parquet row (a dict of its columns, as Python values);
+    whether a record holds what it should is the caller's to check. Plain text holds no records."""
+    for path in files:
+        suffix = path.suffix.lower()
+        if suffix == ".txt":
+            raise DataError(f"{path}: plain text holds no records (pass JSON Lines or Parquet records)")
+        if suffix != ".parquet":
+            yield from _json_records(path, skipped)
+            continue
+        file, row = _parquet_file(path), 0
+        try:
+            for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS):
+                for record in batch.to_pylist():
+                    yield f"{path}: row {row}", record
+                    row += 1
+        except pa.ArrowException as err:
+            raise DataError(f"{path}: unreadable after row {row}: {first_line(err)}") from None
+
+
 def _parquet_lists(path: Path, column: str, skipped: Skipped) -> Iterator[tuple[str, object, dict]]:
     """A list column, row by row, batch by batch, with the row's template variables."""
     file = _parquet_file(path)

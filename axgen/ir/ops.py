@@ -68,10 +68,14 @@ class LmHeadAttrs(DotAttrs):
     """The output head. `loss` is the lowering's: `fused`, the training loss takes the head's input and weight and
     computes the logits and their cross-entropy `loss_chunk` positions at a time (capped by `loss_soft_cap`, the
     softcap node after the head), so the whole logits never exist in a training step; `logits`, it takes the
-    logits the head and the nodes after it make."""
+    logits the head and the nodes after it make. `objective` is the preference loss the head's log-probabilities
+    train (F.dpo's "dpo", F.simpo's "simpo") on pairs; None, the next-token cross-entropy itself. DPO's
+    `reference`: "adapters off" (F.lora's base) or "copy" (a frozen copy of the initial params)."""
 
     tied: bool = False
     vocab: int
+    objective: str | None = None
+    reference: str | None = None
     loss: str | None = None
     loss_chunk: int | None = None
     loss_soft_cap: float | None = None

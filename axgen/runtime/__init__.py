@@ -16,6 +16,9 @@ import importlib
 # runtime/kernels.py's table without importing jax.
 _HOMES = {
     "ParamSpec": "params",
+    "adapters_off": "params",
+    "completion_logps": "preference",
+    "dpo": "preference",
     "Routing": "moe",
     "apply_gradients": "training",
     "causal_attention": "attention",
@@ -41,6 +44,7 @@ _HOMES = {
     "rope_frequencies": "rotary",
     "route": "moe",
     "shards": "sharding",
+    "simpo": "preference",
     "soft_cap": "attention",
     "summed_over_microbatches": "training",
     "trained": "params",

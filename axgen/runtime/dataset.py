@@ -10,6 +10,11 @@ token, 1 where the token is a target the loss trains on (the assistant's tokens 
 and 0 where it is not (system, user and tool turns, the chat template's own text). Its documents are
 conversations stored exactly as their chat template renders them, with no framing added (the template writes
 the BOS and end-of-turn tokens its model expects). A format-1 dataset reads as all ones.
+
+Format 3 (`axgen data --pairs`) is format 2 holding preference pairs: documents 2i and 2i + 1 are pair i's
+prompt with its chosen completion and the same prompt with its rejected one, their masks 1 on the completions.
+A program trains each pair in one window of its own (segment 1 chosen, segment 2 rejected, the rest padding), so
+a pair's two sequences are always in the same pass of the same step.
 """
 
 import collections
@@ -24,6 +29,9 @@ import numpy as np
 FORMAT = "axgen-dataset/1"
 # A version that format-1 readers refuse, so an older runtime never trains a masked dataset on every token.
 MASKED_FORMAT = "axgen-dataset/2"
+# Masked documents in preference pairs; other readers refuse it, so no program trains a pair's rejected half as text.
+PAIRS_FORMAT = "axgen-dataset/3"
+FORMATS = (FORMAT, MASKED_FORMAT, PAIRS_FORMAT)
 MANIFEST = "manifest.json"
 
 
@@ -54,8 +62,9 @@ def read_manifest(directory) -> dict:
     except (OSError, UnicodeDecodeError) as err:
         raise DatasetError(f"{path}: cannot read: {_first_line(err)}") from None
     found = manifest.get("format") if isinstance(manifest, dict) else None
-    if found not in (FORMAT, MASKED_FORMAT):
-        raise DatasetError(f'{path}: format {json.dumps(found)}, expected "{FORMAT}" or "{MASKED_FORMAT}"')
+    if found not in FORMATS:
+        expected = ", ".join(f'"{name}"' for name in FORMATS)
+        raise DatasetError(f"{path}: format {json.dumps(found)}, expected one of {expected}")
     _check_fields(path, manifest)
     return manifest
 
@@ -222,19 +231,27 @@ class PackedSplit:
     Conversations (format 2): a window packs whole conversations, and one that does not fit what is left of a
     window starts the next, the rest padded, so a reply never trains in a window without its prompt. A
     conversation longer than a window is cut at that window's end and its rest not trained (`cut_conversations`
-    counts them; `axgen data --max-len` at most seq_len + 1 keeps every one whole)."""
+    counts them; `axgen data --max-len` at most seq_len + 1 keeps every one whole).
+
+    Preference pairs (format 3, `pairs`): a window holds one pair, its chosen sequence (segment 1) then its
+    rejected one (segment 2); a pair longer than a window is refused, naming the --max-len that fits."""
 
     def __init__(self, directory, split: str, seq_len: int):
         manifest = read_manifest(directory)
         shards = manifest["splits"][split]["shards"]
-        self.masked = manifest["format"] == MASKED_FORMAT
+        self.masked = manifest["format"] in (MASKED_FORMAT, PAIRS_FORMAT)
+        self.pairs = manifest["format"] == PAIRS_FORMAT
         opened = [open_shard(directory, shard, manifest["token_dtype"], self.masked) for shard in shards]
         self.shards = [(tokens, ends) for tokens, ends, _ in opened]
         self.masks = [mask for _, _, mask in opened]
         self.files = [os.path.join(directory, shard["tokens"]) for shard in shards]
         self.mask_files = [os.path.join(directory, shard.get("mask", "")) for shard in shards]
         self.seq_len = seq_len
-        if self.masked:
+        self.cut_conversations = 0
+        if self.pairs:
+            spans = [_pairs(ends, seq_len + 1, file) for (_, ends), file in zip(self.shards, self.files)]
+            self.starts, self.stops = [starts for starts, _ in spans], [stops for _, stops in spans]
+        elif self.masked:
             packed = [_whole_conversations(ends, seq_len + 1) for _, ends in self.shards]
             self.starts, self.stops = [starts for starts, _, _ in packed], [stops for _, stops, _ in packed]
             self.cut_conversations = sum(cut for _, _, cut in packed)
@@ -247,7 +264,6 @@ class PackedSplit:
                 np.minimum(starts + seq_len + 1, len(tokens))
                 for starts, (tokens, _) in zip(self.starts, self.shards)
             ]
-            self.cut_conversations = 0
         self.first_window = np.cumsum([0, *map(len, self.starts)])
 
     def __len__(self):
@@ -303,6 +319,26 @@ def _whole_conversations(ends, span: int) -> tuple[np.ndarray, np.ndarray, int]:
     if begin > window or not starts:
         starts.append(window), stops.append(begin)
     return np.array(starts, np.int64), np.array(stops, np.int64), cut
+
+
+def _pairs(ends, span: int, file: str) -> tuple[np.ndarray, np.ndarray]:
+    """(start, stop) offsets of each pair of documents (a preference pair: chosen, rejected) of a shard whose
+    documents end at `ends`; DatasetError where a pair does not fit a window of `span` tokens."""
+    if len(ends) % 2:
+        raise DatasetError(
+            f"shard {file} holds {len(ends)} documents; a shard of preference pairs holds two a pair"
+        )
+    bounds = np.concatenate([[0], ends])
+    starts, stops = bounds[:-1:2], bounds[2::2]
+    long = np.flatnonzero(stops - starts > span)
+    if len(long):
+        longest = int((stops - starts).max())
+        raise DatasetError(
+            f"shard {file}: {len(long)} preference pairs are longer than a window of seq_len + 1 = {span} tokens"
+            f" (the longest {longest}): write them with `axgen data --pairs --max-len {span}`, which leaves them"
+            " out, or raise seq_len"
+        )
+    return starts.astype(np.int64), stops.astype(np.int64)
 
 
 class Batches:

@@ -113,12 +113,17 @@ class Progress:
             **speed,
         )
 
-    def eval(self, step, loss, targets):
+    def eval(self, step, loss, targets, pairs=False):
+        """An evaluation's mean loss over its targets, or over its preference `pairs` (a loss of no perplexity)."""
+        elapsed = time.perf_counter() - self.began
+        if pairs:
+            print(f"eval step {step} | loss {loss:.4f} | pairs {targets}", flush=True)
+            self.log.write(step, elapsed_s=elapsed, eval_loss=loss, eval_pairs=targets)
+            return
         print(
             f"eval step {step} | loss {loss:.4f} | perplexity {math.exp(loss):.2f} | targets {targets}",
             flush=True,
         )
-        elapsed = time.perf_counter() - self.began
         self.log.write(
             step, elapsed_s=elapsed, eval_loss=loss, eval_perplexity=math.exp(loss), eval_tokens=targets
         )

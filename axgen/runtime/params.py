@@ -60,6 +60,12 @@ def joined(*parts: dict) -> dict:
     return whole
 
 
+def adapters_off(params: dict, specs) -> dict:
+    """The params with every adapter (F.lora's A and B) zero: the frozen base's own model, DPO's reference."""
+    adapters = select(params, specs, lambda spec: spec.adapter)
+    return joined(params, jax.tree.map(jnp.zeros_like, adapters))
+
+
 def in_compute_dtype(params: dict, dtype, stacked) -> dict:
     """The params in `dtype`, but for the `stacked` blocks', which each layer casts as it runs: a cast of a whole
     stack would hold a second copy of every layer's weights for the step."""

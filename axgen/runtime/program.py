@@ -99,14 +99,21 @@ class Program:
 
     @property
     def has_frozen(self) -> bool:
-        """Whether some params are frozen (F.lora's base): the state keeps them apart, in `state["frozen"]`."""
-        return bool(frozen(self.params, self.params))
+        """Whether the state keeps params apart that do not train, in `state["frozen"]`: F.lora's base, or a
+        frozen copy of the initial params as F.dpo's reference (CONFIG's "reference": "copy")."""
+        return bool(frozen(self.params, self.params)) or self.config.get("reference") == "copy"
+
+    def frozen_part(self, params):
+        """What of the whole params the state keeps frozen: F.lora's base, and DPO's reference copy of them all
+        (under "reference", where the loss finds it)."""
+        part = frozen(params, self.params)
+        return {**part, "reference": params} if self.config.get("reference") == "copy" else part
 
     def state_from_params(self, params):
         """Step 0 with these params and a fresh optimizer state for the trained ones."""
         state = {"step": jnp.zeros((), jnp.int32), "params": trained(params, self.params)}
         state["opt_state"] = self.optimizer.init(state["params"])
-        return {**state, "frozen": frozen(params, self.params)} if self.has_frozen else state
+        return {**state, "frozen": self.frozen_part(params)} if self.has_frozen else state
 
     def model_params(self, state):
         """The whole params tree of a state: its trained params with its frozen ones."""
@@ -128,7 +135,7 @@ class Program:
             transform_non_params=lambda _: replicated,
         )
         state = {"step": replicated, "params": trained(params, self.params), "opt_state": opt_state}
-        return {**state, "frozen": frozen(params, self.params)} if self.has_frozen else state
+        return {**state, "frozen": self.frozen_part(params)} if self.has_frozen else state
 
     def abstract_state(self, mesh):
         """The train state's shapes, dtypes and shardings, without allocating it."""

@@ -19,7 +19,6 @@ from axgen.runtime.dataset import (
 )
 from axgen.runtime.faults import NonFiniteGuard, RunDirError, StopSignals, lock_run_dir, make_run_dir
 from axgen.runtime.metrics import MetricsLog, Progress, schedule_points
-from axgen.runtime.params import frozen
 from axgen.runtime.program import IncompatibleProgram, Program
 from axgen.runtime.training import BatchSplitError
 
@@ -116,7 +115,11 @@ def train(program: Program, args, train_data, eval_data, eval_batches, began, cr
                 progress.train(done, jax.device_get(metrics))
             if eval_data and (done % args.eval_every == 0 or done == args.steps):
                 params = program.model_params(state)
-                progress.eval(done, *evaluate(eval_fn, params, eval_data, sharding, eval_batches))
+                progress.eval(
+                    done,
+                    *evaluate(eval_fn, params, eval_data, sharding, eval_batches),
+                    pairs=eval_data.split.pairs,
+                )
             if done % config["checkpoint_every"] == 0:
                 checkpoints.save(manager, state)
             if stopping:
@@ -206,8 +209,10 @@ def restore_or_init(program: Program, manager, mesh, args):
     it took (restore, or init where nothing was read)."""
     saved = checkpoints.saved_part(program.abstract_state(mesh))
     state, step = checkpoints.newest_verified(manager, mesh, args.run_dir, saved)
-    if state is not None and program.has_frozen:  # the base its adapters train on, loaded as when it began
-        state = {**state, "frozen": frozen(initial_params(program, mesh, args), program.params)}
+    if (
+        state is not None and program.has_frozen
+    ):  # the base (or reference) it trains against, as when it began
+        state = {**state, "frozen": program.frozen_part(initial_params(program, mesh, args))}
     if state is not None:
         return state, f"resumed from step {step}", "restore"
     shardings = program.state_shardings(mesh)
@@ -228,8 +233,9 @@ def initial_params(program: Program, mesh, args):
 
 
 def evaluate(eval_fn, params, data, batch_sharding, num_batches):
-    """Mean cross-entropy over the first `num_batches` batches of the eval split, in its stored order, and the
-    number of targets it counts."""
+    """Mean loss over the first `num_batches` batches of the eval split, in its stored order, and the number of
+    targets (preference pairs) it counts: the cross-entropy of each target, or the preference loss of each pair.
+    """
     loss_sum, targets = 0.0, 0
     for step in range(num_batches):
         batch = (jax.make_array_from_process_local_data(batch_sharding, x) for x in data.local_batch(step))
@@ -260,6 +266,7 @@ def open_data(program: Program, args):
     if args.init_from:
         _check_tokenizer(args.init_from, args.data)
     train = PackedSplit(args.data, "train", config["seq_len"])
+    check_objective(program, args, args.data, train)
     if train.cut_conversations:
         span = config["seq_len"] + 1
         print(
@@ -276,6 +283,7 @@ def open_data(program: Program, args):
     if args.eval_data:
         check_same_tokenizer(args.data, args.eval_data)
     split = PackedSplit(eval_dir, "eval", config["seq_len"])
+    check_objective(program, args, eval_dir, split)
     if not len(split.shards):
         raise DatasetError(
             f"{eval_dir} has no eval split: pass --eval-data, or make one with `axgen data --eval-fraction`"
@@ -287,6 +295,28 @@ def open_data(program: Program, args):
         Batches(split, args.batch, config["seed"], vocab_size, shuffle=False, documents=documents),
         num_batches,
     )
+
+
+def check_objective(program: Program, args, directory, split: PackedSplit) -> None:
+    """A preference loss (F.dpo, F.simpo) trains on pairs, and every other program on text or conversations: a
+    dataset of the other kind is refused, as is --no-document-mask, which would let a pair's two sequences see
+    each other."""
+    objective = program.config.get("objective")
+    if objective and not split.pairs:
+        raise DatasetError(
+            f"{directory} holds no preference pairs, and {program.config['model']} trains {objective} on them:"
+            " write them with `axgen data --pairs`"
+        )
+    if split.pairs and not objective:
+        raise DatasetError(
+            f"{directory} holds preference pairs, which a program trains only with F.dpo or F.simpo in its spec"
+            f" ({program.config['spec']} has neither)"
+        )
+    if split.pairs and args.no_document_mask:
+        raise DatasetError(
+            f"--no-document-mask: {directory} holds preference pairs, whose chosen and rejected sequences must"
+            " not see each other"
+        )
 
 
 def positive(text):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from axgen.spec.architecture import RMSNorm
-from axgen.spec.validation import SpecNode, suggest
+from axgen.spec.validation import SpecError, SpecNode, suggest
 
 if TYPE_CHECKING:
     from axgen.spec.model import Model
@@ -630,6 +630,51 @@ class LoRA(Feature):
         return ("base_dtype",) if self.base_dtype == "float32" else ()
 
 
+@dataclass(frozen=True, kw_only=True)
+class DPO(Feature):
+    """Direct preference optimisation (Rafailov et al., 2023) as TRL's DPOTrainer trains it (its default
+    loss_type "sigmoid"), on preference pairs (`axgen data --pairs`): each pair's loss is -log sigmoid(beta *
+    ((log p(chosen) - log p_ref(chosen)) - (log p(rejected) - log p_ref(rejected)))), each log-probability summed
+    over the completion's tokens, and the step's loss their mean. The reference p_ref costs one more forward pass
+    a step, without a backward one. With F.lora it is the model with the adapters off, the frozen base itself (as
+    TRL does for a PEFT model): no second copy of the weights. Without, it is a frozen copy of the initial
+    params (TRL's ref_model), kept on the devices beside the trained ones, as they are sharded, and reloaded from
+    --init-from at a resume rather than checkpointed: a params-sized buffer more (a quarter of what the trained
+    params' gradients and AdamW moments already take), where precomputed reference log-probabilities would need a
+    pass over the data before training and a dataset of them for each --data. The metrics are TRL's:
+    rewards/chosen and rewards/rejected (beta times each log-ratio), rewards/accuracies, rewards/margins,
+    logps/chosen, logps/rejected."""
+
+    pass_name: typing.ClassVar[str] = "dpo"
+    beta: float = 0.1
+
+    def validate(self) -> None:
+        self.require_positive("beta")
+
+    def check_model(self, model: Model) -> None:
+        if model.feature("simpo") is not None:
+            raise SpecError(f"{self.provenance}: F.dpo and F.simpo are two losses; keep one")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimPO(Feature):
+    """SimPO (Meng et al., 2024), a preference loss with no reference model, as TRL's CPOTrainer trains it with
+    loss_type="simpo" and cpo_alpha=0: each pair's loss is -log sigmoid(beta * (mean log p(chosen) - mean log
+    p(rejected)) - gamma), each mean over the completion's tokens, on preference pairs (`axgen data --pairs`).
+    No reference forward pass, and no frozen copy for a full fine-tune; the length normalisation keeps it from
+    preferring the longer completion. Its metrics are DPO's names, with rewards beta times each mean
+    log-probability and logps those means (as TRL logs them)."""
+
+    pass_name: typing.ClassVar[str] = "simpo"
+    beta: float = 2.0
+    gamma: float = 0.5
+
+    def validate(self) -> None:
+        self.require_positive("beta")
+        if self.gamma < 0:
+            self.fail("gamma", "must be >= 0 (the target margin between the mean log-probabilities)")
+
+
 class features:  # noqa: N801 - a namespace, used as `features as F` in spec files
     """Feature constructors for `Model.features`: `F.rope(theta=5e5, scaling=F.rope_scaling(factor=8.0))`."""
 
@@ -650,3 +695,5 @@ class features:  # noqa: N801 - a namespace, used as `features as F` in spec fil
     gpt_oss_experts = GptOssExperts
     mla = MLA
     lora = LoRA
+    dpo = DPO
+    simpo = SimPO
