@@ -656,39 +656,23 @@ def _data(args) -> int:
     check_output_dir(args.out, force=args.force)
     tokenizer = load_tokenizer(args.tokenizer, bos=args.bos, eos=args.eos)
     start = time.perf_counter()
-    settings = dict(eval_fraction=args.eval_fraction, seed=args.seed, shard_tokens=args.shard_tokens)
-    if args.pairs:
-        try:  # text pairs need no template: its absence is an error at the first conversational record
+    settings = dict(
+        eval_fraction=args.eval_fraction, seed=args.seed, shard_tokens=args.shard_tokens, overwrite=args.force
+    )
+    if not (args.chat or args.pairs):
+        manifest = build_dataset(args.inputs, tokenizer, args.out, _read_options(args), **settings)
+    else:
+        try:
             template = load_chat_template(tokenizer, args.chat_template, bos=args.bos, eos=args.eos)
         except DataError as err:
-            template = err
-        manifest = build_pairs_dataset(
-            args.inputs,
-            tokenizer,
-            template,
-            args.out,
-            _read_options(args),
-            max_len=args.max_len,
-            overwrite=args.force,
-            **settings,
-        )
-    elif args.chat:
-        template = load_chat_template(tokenizer, args.chat_template, bos=args.bos, eos=args.eos)
-        manifest = build_chat_dataset(
-            args.inputs,
-            tokenizer,
-            template,
-            args.out,
-            _read_options(args),
-            sharegpt=args.sharegpt,
-            max_len=args.max_len,
-            overwrite=args.force,
-            **settings,
-        )
-    else:
-        manifest = build_dataset(
-            args.inputs, tokenizer, args.out, _read_options(args), overwrite=args.force, **settings
-        )
+            if not args.pairs:
+                raise
+            template = err  # text pairs need none: its absence is an error at the first conversational record
+        inputs = (args.inputs, tokenizer, template, args.out, _read_options(args))
+        if args.pairs:
+            manifest = build_pairs_dataset(*inputs, max_len=args.max_len, **settings)
+        else:
+            manifest = build_chat_dataset(*inputs, sharegpt=args.sharegpt, max_len=args.max_len, **settings)
     print(f"wrote {args.out}: {summary(manifest, time.perf_counter() - start)}")
     return 0
 

@@ -90,15 +90,13 @@ def build_chat_dataset(
     *,
     sharegpt: bool = False,
     max_len: int | None = None,
-    eval_fraction: float = 0.01,
-    seed: int = 0,
-    shard_tokens: int = 50_000_000,
-    overwrite: bool = False,
+    **settings,
 ) -> dict:
     """`axgen data --chat`: reads conversations (`options.field` of JSON Lines records, `options.column` of
     Parquet rows), renders each with `template`, and writes the token ids with their loss masks as a masked
     dataset; returns its manifest. Conversations longer than `max_len` tokens are cut after their last
-    assistant turn that ends within it, or dropped where none does (`axgen.data.chat.cut_to`)."""
+    assistant turn that ends within it, or dropped where none does (`axgen.data.chat.cut_to`). `settings` are
+    write_dataset's (eval_fraction, seed, shard_tokens, overwrite)."""
     files = expand_inputs(inputs)
     skipped = Skipped(options.skip_bad)
     counts = ConversationCounts(max_len=max_len)
@@ -107,19 +105,10 @@ def build_chat_dataset(
     documents = encode_conversations(
         conversations, template, tokenizer, sharegpt=sharegpt, skipped=skipped, counts=counts
     )
+    manifest = _ChatManifest(template, "sharegpt" if sharegpt else "messages", counts)
     with shown:
-        return _write_encoded(
-            out_dir,
-            progress.counted(documents, shown),
-            tokenizer,
-            files,
-            skipped,
-            eval_fraction=eval_fraction,
-            seed=seed,
-            shard_tokens=shard_tokens,
-            overwrite=overwrite,
-            conversations=_ChatManifest(template, "sharegpt" if sharegpt else "messages", counts),
-        )
+        counted = progress.counted(documents, shown)
+        return _write_encoded(out_dir, counted, tokenizer, files, skipped, conversations=manifest, **settings)
 
 
 def build_pairs_dataset(
@@ -130,34 +119,22 @@ def build_pairs_dataset(
     options: ReadOptions,
     *,
     max_len: int | None = None,
-    eval_fraction: float = 0.01,
-    seed: int = 0,
-    shard_tokens: int = 50_000_000,
-    overwrite: bool = False,
+    **settings,
 ) -> dict:
     """`axgen data --pairs`: reads preference records (JSON Lines records, Parquet rows) with prompt, chosen and
     rejected as text or as messages, tokenizes them as TRL's DPOTrainer does (`axgen.data.pairs`) and writes a
     dataset of pairs (format 3); returns its manifest. `template` is the chat template, or why the tokenizer has
     none (an error only for a conversational record). A pair whose two sequences exceed `max_len` tokens together
-    is left out and counted."""
+    is left out and counted. `settings` are write_dataset's."""
     files = expand_inputs(inputs)
     skipped = Skipped(options.skip_bad)
     counts = PairCounts(max_len=max_len, template=None if isinstance(template, DataError) else template)
     paths, shown = progress.reading(files)
     pairs = encode_pairs(read_records(paths, skipped), template, tokenizer, skipped=skipped, counts=counts)
     with shown:
+        counted = progress.counted(pairs, shown)
         return _write_encoded(
-            out_dir,
-            progress.counted(pairs, shown),
-            tokenizer,
-            files,
-            skipped,
-            eval_fraction=eval_fraction,
-            seed=seed,
-            shard_tokens=shard_tokens,
-            overwrite=overwrite,
-            conversations=counts,
-            pairs=True,
+            out_dir, counted, tokenizer, files, skipped, conversations=counts, pairs=True, **settings
         )
 
 

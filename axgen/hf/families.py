@@ -14,7 +14,7 @@ FAMILIES: dict[str, Family] = {
 }
 # Features that shape training only, not the weights' meaning, or whose weights PEFT keeps beside the model's
 # (F.lora's adapters: export-hf writes them as an adapter folder, or merges them in): every family goes with them.
-TRAINING_ONLY = {"remat", "quantize", "lora"}
+TRAINING_ONLY = {"remat", "quantize", "lora", "dpo", "simpo"}
 
 
 def family(spec: Model) -> Family:

@@ -185,7 +185,9 @@ class Program:
 
     def jit_eval_step(self, mesh, global_batch):
         batch = self.batch_sharding(mesh, global_batch)
-        params = self.param_shardings(mesh)
+        params = self.model_params(
+            self.state_shardings(mesh)
+        )  # with DPO's reference copy, where there is one
         return jax.jit(
             self.eval_step, in_shardings=(params, batch, batch, batch), out_shardings=NamedSharding(mesh, P())
         )
