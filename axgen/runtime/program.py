@@ -185,9 +185,8 @@ class Program:
 
     def jit_eval_step(self, mesh, global_batch):
         batch = self.batch_sharding(mesh, global_batch)
-        params = self.model_params(
-            self.state_shardings(mesh)
-        )  # with DPO's reference copy, where there is one
+        # The whole params, DPO's reference copy with them where there is one.
+        params = self.model_params(self.state_shardings(mesh))
         return jax.jit(
             self.eval_step, in_shardings=(params, batch, batch, batch), out_shardings=NamedSharding(mesh, P())
         )

@@ -209,9 +209,7 @@ def restore_or_init(program: Program, manager, mesh, args):
     it took (restore, or init where nothing was read)."""
     saved = checkpoints.saved_part(program.abstract_state(mesh))
     state, step = checkpoints.newest_verified(manager, mesh, args.run_dir, saved)
-    if (
-        state is not None and program.has_frozen
-    ):  # the base (or reference) it trains against, as when it began
+    if state is not None and program.has_frozen:  # what it trains against (base, reference), as it began
         state = {**state, "frozen": program.frozen_part(initial_params(program, mesh, args))}
     if state is not None:
         return state, f"resumed from step {step}", "restore"
