@@ -83,7 +83,7 @@ def trained(spec_file, tmp_path_factory, pairs_data, steps: int):
     module = load_program(program_file)
     program = Program.from_module(module)
     params = hf_to_params(QWEN / "model.safetensors", built.spec)
-    if program.has_frozen and program.config.get("reference") != "copy":  # F.lora: PEFT's adapter
+    if program.has_frozen and not program.reference_copy:  # F.lora: PEFT's adapter
         params = joined(params, peft.read_adapter(PAIRS / "adapter", built.spec))
     state = program.state_from_params(params)
     split = dataset.PackedSplit(pairs_data / "pairs.jsonl", "train", program.config["seq_len"])

@@ -80,6 +80,7 @@ def _context(env, graph: Graph, output_name: str) -> dict:
     macro. Nothing here comes from the spec or the plan but through the graph."""
     nodes = list(graph.nodes())
     groups = [_group(scan) for scan in graph.nodes(op="scan") if scan.attrs.groups(scan.attrs.calls)]
+    (head,) = graph.nodes(op="lm_head")
     return {
         "version": axgen.__version__,
         "name": graph.name,
@@ -93,17 +94,19 @@ def _context(env, graph: Graph, output_name: str) -> dict:
         "regroup": any(call.per_step > 1 for group in groups for call in group["calls"]),
         "main_lines": _lines(env, graph, "main", param_root="params"),
         **_fused_loss(env, graph),
+        # The loss the head trains: a preference loss (F.dpo, F.simpo) and DPO's reference, or None.
+        "objective": head.attrs.objective,
+        "reference": head.attrs.reference,
         "main_output": graph.output("main").name,
         "main_aux": [f"{scan.name}_aux" for scan in graph.nodes(op="scan") if scan.attrs.returns_aux],
-        "logged_metrics": _logged_metrics(graph),
+        "logged_metrics": _logged_metrics(graph, head),
         "op_imports": _op_imports(env, nodes),
     }
 
 
-def _logged_metrics(graph: Graph) -> tuple[str, ...]:
+def _logged_metrics(graph: Graph, head: Node) -> tuple[str, ...]:
     """What the progress line shows besides the loss: a preference loss's reward accuracy and margin (TRL's
     names), the cross-entropy beside auxiliary losses, which the loss then holds too."""
-    (head,) = graph.nodes(op="lm_head")
     if head.attrs.objective:
         return ("rewards/accuracies", "rewards/margins", *graph.attrs["aux_metrics"])
     return ("cross_entropy", *graph.attrs["aux_metrics"]) if graph.attrs["aux_metrics"] else ()
@@ -224,18 +227,15 @@ def _group(scan: Node) -> dict:
 
 
 def _fused_loss(env, graph: Graph) -> dict:
-    """The loss the head trains (`objective`: a preference loss, or None), and where the lowering fused the
-    output head with it: the main region's statements up to the head (`trunk_lines`, which `hidden_with_aux`
-    prints) and from it on (`head_lines`), and what the loss call takes (`fused_loss`); else `fused_loss` is
-    None."""
+    """Where the lowering fused the output head with the loss: the main region's statements up to the head
+    (`trunk_lines`, which `hidden_with_aux` prints) and from it on (`head_lines`), and what the loss call takes
+    (`fused_loss`); else `fused_loss` is None."""
     (head,) = graph.nodes(op="lm_head")
     if head.attrs.loss != "fused":
-        return {"fused_loss": None, "objective": head.attrs.objective, "reference": head.attrs.reference}
+        return {"fused_loss": None}
     nodes = list(graph.nodes(region="main"))
     split = nodes.index(head)
     return {
-        "objective": head.attrs.objective,
-        "reference": head.attrs.reference,
         "fused_loss": {
             "hidden": graph.inputs(head)["x"].name,
             "weight": 'params["embed"]' if head.attrs.tied else f'params["{head.params["w"].key}"]',

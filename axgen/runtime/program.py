@@ -98,16 +98,21 @@ class Program:
         return self.state_from_params(self.init_params(rng))
 
     @property
+    def reference_copy(self) -> bool:
+        """Whether F.dpo's reference is a frozen copy of the initial params (CONFIG's "reference": "copy")."""
+        return self.config.get("reference") == "copy"
+
+    @property
     def has_frozen(self) -> bool:
-        """Whether the state keeps params apart that do not train, in `state["frozen"]`: F.lora's base, or a
-        frozen copy of the initial params as F.dpo's reference (CONFIG's "reference": "copy")."""
-        return bool(frozen(self.params, self.params)) or self.config.get("reference") == "copy"
+        """Whether the state keeps params apart that do not train, in `state["frozen"]`: F.lora's base, or DPO's
+        reference copy."""
+        return bool(frozen(self.params, self.params)) or self.reference_copy
 
     def frozen_part(self, params):
         """What of the whole params the state keeps frozen: F.lora's base, and DPO's reference copy of them all
         (under "reference", where the loss finds it)."""
         part = frozen(params, self.params)
-        return {**part, "reference": params} if self.config.get("reference") == "copy" else part
+        return {**part, "reference": params} if self.reference_copy else part
 
     def state_from_params(self, params):
         """Step 0 with these params and a fresh optimizer state for the trained ones."""
