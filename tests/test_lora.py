@@ -115,6 +115,87 @@ def test_only_the_adapters_train_and_the_base_is_kept_apart(lora_run):
     )
 
 
+def test_lora_dropout_drops_the_adapters_inputs_as_torch_dropout_does_in_training_only(tmp_path):
+    """F.lora(dropout=0.25), as PEFT's lora_dropout: a kept value is scaled by 1 / 0.75; the masks follow from the
+    seed, step and row alone, so the train step's passes split nothing differently; with B zero (a fresh adapter)
+    the loss is the dropout-free one, A's gradients are zero, and B's, averaged over steps' masks, are the
+    dropout-free gradients (torch's dropout is unbiased in the same way). Evaluation drops nothing."""
+    from axgen.runtime import dropout
+    from axgen.runtime.params import select
+
+    x = jnp.ones((64, 32, 16))
+    keys = dropout.dropout_keys(0, 3, 64)
+    dropped = dropout.lora_dropout(x, keys, 0.25, "wq_lora_a")
+    np.testing.assert_allclose(np.unique(np.asarray(dropped)), [0.0, 1 / 0.75], rtol=1e-6)
+    assert abs(float((dropped == 0).mean()) - 0.25) < 0.01, "a quarter of the values"
+    assert (
+        0.55 < float((dropped == dropout.lora_dropout(x, keys, 0.25, "wk_lora_a")).mean()) < 0.7
+    ), "own masks"
+    next_step = dropout.lora_dropout(x, dropout.dropout_keys(0, 4, 64), 0.25, "wq_lora_a")
+    assert 0.55 < float((dropped == next_step).mean()) < 0.7, "each step its own masks"
+    assert dropout.lora_dropout(x, None, 0.25, "wq_lora_a") is x
+
+    spec = tmp_path / "lora_dropout.py"
+    spec.write_text(
+        "from tests.fixtures.peft_llama_gqa_spec import spec as base\nrope, lora = base.features\n"
+        'spec = base.replace(name="lora-dropout", features=[rope, lora.replace(dropout=0.25)])\n'
+    )
+    built = build(spec, "cpu-1")
+    assert 'runtime.lora_dropout(attn_norm, dropout_keys, 0.25, "wq_lora_a")' in built.source
+    assert peft.adapter_config(built.spec, None)["lora_dropout"] == 0.25
+    write_atomically(tmp_path / "program.py", built.source)
+    module = load_program(tmp_path / "program.py")
+    program = Program.from_module(module)
+    base = np.load(FIXTURES / "hf_llama_gqa.npz")
+    params = hf_to_params(
+        {k: base[k] for k in base.files if k.startswith(("model.", "lm_head."))}, built.spec
+    )
+    params = joined(params, peft.read_adapter(FIXTURES / "peft_llama_gqa", built.spec))
+    fresh_b = select(params, module.PARAMS, lambda spec: spec.adapter and spec.init == "zeros")
+    state = program.state_from_params(joined(params, jax.tree.map(jnp.zeros_like, fresh_b)))
+    tokens = jnp.asarray(REFERENCE["tokens"][:2].reshape(4, -1))
+    ones = jnp.ones_like(tokens)
+
+    def gradients(step, passes):
+        keys = None if step is None else dropout.dropout_keys(0, step, tokens.shape[0])
+        batch = (tokens, ones, ones) if keys is None else (tokens, ones, ones, keys)
+        microbatch = tokens.shape[0] // passes
+        (loss, _), grads = module.runtime.gradients(
+            module.loss_fn, state, batch, microbatch, module.PARAMS, module.LOGICAL_AXIS_RULES
+        )
+        return loss, grads["layers"]
+
+    samples = 64
+    (losses, grads), (exact_loss, exact), (_, in_passes) = jax.jit(
+        lambda: (
+            jax.vmap(lambda step: gradients(step, 1))(jnp.arange(samples)),
+            gradients(None, 1),
+            gradients(0, 4),
+        )
+    )()
+    np.testing.assert_array_equal(losses, np.full(samples, exact_loss))
+    for name in grads:
+        if name.endswith("_lora_a"):
+            assert not np.asarray(grads[name]).any(), name
+            continue
+        np.testing.assert_allclose(in_passes[name], grads[name][0], atol=1e-6, err_msg=name)
+        # Each element's mean over the steps, in standard errors from the dropout-free gradient: chi-square per
+        # element about 1 when unbiased; the same masks without the 1 / 0.75 scale give about 10.
+        standard_error = np.asarray(grads[name].std(0, ddof=1)) / np.sqrt(samples)
+        drawn = standard_error > 0
+        z = (np.asarray(grads[name].mean(0)) - np.asarray(exact[name]))[drawn] / standard_error[drawn]
+        unscaled = (np.asarray(grads[name].mean(0)) * 0.75 - np.asarray(exact[name]))[drawn] / standard_error[
+            drawn
+        ]
+        assert drawn.mean() > 0.9 and np.mean(z**2) < 1.5 < 4 < np.mean(unscaled**2), name
+
+    # Evaluation drops nothing: on PEFT's adapters (B not zero) its loss is PEFT's first, dropout-free one.
+    tokens = jnp.asarray(REFERENCE["tokens"][0])
+    eval_sums = module.eval_sums(params, tokens, jnp.ones_like(tokens), jnp.ones_like(tokens))
+    loss = float(eval_sums["loss_sum"]) / float(eval_sums["targets"])
+    assert loss == pytest.approx(REFERENCE["losses"][0], rel=2e-5)
+
+
 def cli(capsys, *argv) -> tuple[int, str]:
     code = axgen([str(a) for a in argv])
     captured = capsys.readouterr()

@@ -255,14 +255,17 @@ def test_pairs_flags_that_do_not_apply_are_refused(tmp_path, capsys):
         ("[F.dpo(beta=-1.0)]", "DPO.beta=-1.0 must be > 0"),
         ("[F.simpo(gamma=-0.5)]", "SimPO.gamma=-0.5 must be >= 0"),
         ("[F.dpo(), F.simpo()]", "F.dpo and F.simpo are two losses; keep one"),
+        ("[F.lora(rank=4, alpha=8, dropout=1.0), F.dpo()]", "LoRA.dropout=1.0 must be >= 0 and < 1"),
+        ("[F.lora(rank=4, alpha=8, dropout=-0.1), F.dpo()]", "LoRA.dropout=-0.1 must be >= 0 and < 1"),
     ],
 )
 def test_bad_preference_specs_are_refused(tmp_path, features, message):
+    """Bad post-training settings, F.lora's included, are spec errors naming the field and value."""
     spec_file = tmp_path / "spec.py"
     spec_file.write_text(
         "from axgen.spec import features as F\n"
         "from tests.fixtures.preference_spec import spec as base\n"
-        f"spec = base.replace(features=[*base.features[:3], *{features}])\n"
+        f"spec = base.replace(features=[*base.features[:2], *{features}])\n"
     )
     with pytest.raises(SpecError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
         load_spec(spec_file)

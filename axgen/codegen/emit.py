@@ -100,8 +100,14 @@ def _context(env, graph: Graph, output_name: str) -> dict:
         "main_output": graph.output("main").name,
         "main_aux": [f"{scan.name}_aux" for scan in graph.nodes(op="scan") if scan.attrs.returns_aux],
         "logged_metrics": _logged_metrics(graph, head),
+        "dropout": _dropout(graph),
         "op_imports": _op_imports(env, nodes),
     }
+
+
+def _dropout(graph: Graph) -> bool:
+    """Whether a training step draws dropout masks (F.lora's dropout): its layers then take the step's keys."""
+    return any(node.attrs.lora_dropout for node in graph.nodes(op="linear"))
 
 
 def _logged_metrics(graph: Graph, head: Node) -> tuple[str, ...]:
@@ -291,8 +297,10 @@ def _statement(env, graph: Graph, node: Node, param_root: str) -> str:
             low_rank = x.drop(*a.axes).concat(b.drop(*b.axes[1:]))  # [batch, seq, lora_rank]
             attrs["lora_a_einsum"] = _einsum(x.axes, a.axes, low_rank.axes)
             attrs["lora_b_einsum"] = _einsum(low_rank.axes, b.axes, node.type.axes)
+            attrs["lora_dropout_name"] = node.params["lora_a"].key
     if node.op == "scan":
         attrs["xs"] = _scan_xs(node, param_root)
+        attrs["dropout"] = _dropout(graph)
     template = env.get_template(f"ops/{OPS[node.op].template}.j2").module
     statement = str(getattr(template, node.op)(node.name, attrs, args, weights)).strip()
     # Its shape goes on its last line, unless the template put a comment of its own there.

@@ -108,7 +108,7 @@ def adapter_config(spec: Model, base_name: str | None) -> dict:
         "lora_alpha": lora.alpha,
         "target_modules": sorted(lora.targets),
         "use_rslora": lora.use_rslora,
-        "lora_dropout": 0.0,
+        "lora_dropout": lora.dropout,
         "bias": "none",
         "fan_in_fan_out": False,
         "init_lora_weights": True,

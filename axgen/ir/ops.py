@@ -61,6 +61,7 @@ class DotAttrs(Attrs):
     quantize: str | None = None
     checkpoint_name: str | None = None
     lora_scale: float | None = None  # F.lora: the output adds lora_scale * (x lora_a) lora_b
+    lora_dropout: float | None = None  # F.lora: a training step drops this fraction of x on its way to lora_a
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -56,7 +56,7 @@ def lora(g: Graph, cfg: LoRA) -> None:
         )
     for node in chosen:
         adapters = _adapters(node.params["w"], g.inputs(node)["x"].type, cfg.rank)
-        g.update(node, adapters, lora_scale=cfg.scale)
+        g.update(node, adapters, lora_scale=cfg.scale, lora_dropout=cfg.dropout or None)
     # Everything else is the frozen base; statistics (fp8 amax histories) go on following their dots.
     for node in list(g.nodes()):
         frozen = {

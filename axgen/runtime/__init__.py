@@ -19,6 +19,7 @@ _HOMES = {
     "adapters_off": "params",
     "completion_logps": "preference",
     "dpo": "preference",
+    "dropout_keys": "dropout",
     "Routing": "moe",
     "apply_gradients": "training",
     "causal_attention": "attention",
@@ -28,6 +29,7 @@ _HOMES = {
     "fp8_delayed_einsum": "quantize",
     "fp8_einsum": "quantize",
     "fp8_ragged_dot": "quantized_experts",
+    "fold_rows": "dropout",
     "gradients": "training",
     "grouped_matmul": "moe",
     "in_compute_dtype": "params",
@@ -35,6 +37,7 @@ _HOMES = {
     "int8_einsum": "quantize",
     "int8_ragged_dot": "quantized_experts",
     "lm_head_cross_entropy": "losses",
+    "lora_dropout": "dropout",
     "logical_to_mesh": "sharding",
     "main": "run",
     "moe_dropless": "moe",
@@ -51,6 +54,7 @@ _HOMES = {
     "trained_targets": "losses",
     "varying_axes": "sharding",
     "varying_over": "sharding",
+    "with_layer_keys": "dropout",
 }
 
 

@@ -596,7 +596,10 @@ class LoRA(Feature):
     `scale` is alpha / rank, or alpha / sqrt(rank) with `use_rslora` (Kalajdzievski, 2023). Only the adapters
     train: every other param is frozen, so gradients, optimizer moments and checkpoints hold the adapters alone.
     `base_dtype="bfloat16"` stores the frozen params in bfloat16, half their float32 bytes (the adapters stay
-    float32); a base loaded from float32 is rounded once, as a bfloat16 forward would round it anyway."""
+    float32); a base loaded from float32 is rounded once, as a bfloat16 forward would round it anyway.
+    `dropout` is PEFT's `lora_dropout`: in a training step each adapter's input, and only its, loses that fraction of
+    its values at random (the rest scaled up to keep the mean), drawn afresh per step, row, layer and projection
+    from the seed; evaluation, export and the base's own product never drop anything."""
 
     pass_name: typing.ClassVar[str] = "lora"
     rank: int
@@ -604,9 +607,12 @@ class LoRA(Feature):
     targets: tuple[str, ...] = LORA_TARGETS
     use_rslora: bool = False
     base_dtype: str = "float32"
+    dropout: float = 0.0
 
     def validate(self) -> None:
         self.require_positive("rank", "alpha")
+        if not 0 <= self.dropout < 1:
+            self.fail("dropout", "must be >= 0 and < 1 (the fraction of each adapter's input a step drops)")
         if self.base_dtype not in LORA_BASE_DTYPES:
             self.fail(
                 "base_dtype",
