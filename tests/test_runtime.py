@@ -264,6 +264,34 @@ def test_the_fused_head_and_cross_entropy_never_holds_the_whole_logits():
     assert fused < 192 * 2**20, (fused, on_logits)
 
 
+def test_the_fused_head_moves_the_weight_and_its_gradient_once_a_pass_not_once_a_chunk():
+    """On 8 devices that split the rows and the head's embed dimension (FSDP), a step of the fused head in chunks
+    of 8 positions moves what one chunk of all 64 does: the weight gathered once each way and its gradient reduced
+    once (hlo_cost counts a loop body's collectives as often as it runs). Per chunk it would be 8 times that.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from axgen.analysis.hlo_cost import hlo_cost
+    from axgen.runtime.losses import lm_head_cross_entropy
+
+    rules = {"batch": ("fsdp",), "seq": (), "embed": ("fsdp",), "vocab": ()}
+    mesh = jax.make_mesh((8,), ("fsdp",), axis_types=(jax.sharding.AxisType.Auto,))  # as programs make it
+    x = jax.ShapeDtypeStruct((8, 64, 128), jnp.float32, sharding=jax.NamedSharding(mesh, jax.P("fsdp")))
+    w = jax.ShapeDtypeStruct((128, 4096), jnp.float32, sharding=jax.NamedSharding(mesh, jax.P("fsdp")))
+    labels = jax.ShapeDtypeStruct((8, 64), jnp.int32, sharding=jax.NamedSharding(mesh, jax.P("fsdp")))
+
+    def moved(chunk):
+        loss = lambda x, w, y: lm_head_cross_entropy(x, w, y, chunk=chunk, rules=rules).mean()
+        with jax.set_mesh(mesh):
+            compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w, labels).compile()
+        return sum(hlo_cost(compiled.as_text()).collective_bytes.values())
+
+    weight = 128 * 4096 * 4
+    in_chunks, whole = moved(8), moved(64)
+    assert in_chunks == whole and whole < 4 * weight, (in_chunks, whole, weight)
+
+
 def test_a_program_trains_on_the_cross_entropy_of_its_own_logits(tmp_path):
     """The emitted loss (the head fused with the cross-entropy, soft-capped logits, on cpu-8's mesh, which shards
     the vocabulary over `model`) equals optax on the logits `forward` returns, in value and gradient."""

@@ -13,12 +13,12 @@ def logical_to_mesh(rules: dict, logical_axes, shape, mesh_shape) -> P:
     """PartitionSpec for a tensor: each dimension takes, in its rule's order, the mesh axes that are unused, larger
     than 1, and still divide the dimension with those taken before them, so a rule's later axes are its fallbacks
     (MaxText lists them as repeated rules): DeepSeek-V3's 1536-wide q latent takes fsdp=128 of fsdp x expert =
-    128 x 8, which it could not take whole. Inside a shard_map, the axes it made manual are each device's own and
+    128 x 8, which it could not take whole. A None axis is whole on every device. Inside a shard_map, the axes it made manual are each device's own and
     split nothing (`replica_axes`: a step that accumulates gradients runs under one)."""
     used, spec = set(jax.sharding.get_abstract_mesh().manual_axes), []
     for axis, size in zip(logical_axes, shape):
         mesh_axes = ()
-        for m in rules[axis]:
+        for m in () if axis is None else rules[axis]:
             if (
                 m not in used
                 and mesh_shape[m] > 1
