@@ -284,13 +284,14 @@ def test_the_report_names_the_wraparound_links(tmp_path, capsys):
 # slow tier: a deviceless compile of an MoE or multi-pass program for the chips (20-30 s on 2 cores)
 @pytest.mark.slow
 def test_all_to_all_experts_compile_for_tpu_with_ragged_all_to_all(tmp_path, capsys):
-    """moe_dispatch='all_to_all' on TPU: each token copy goes to its expert's device by ragged-all-to-all and
-    comes back by another, in the forward and again in the backward."""
+    """moe_dispatch='all_to_all' on TPU, bounded by a receive capacity: each token copy goes to its expert's device
+    by ragged-all-to-all and comes back by another, in the forward and again in the backward."""
     spec = tmp_path / "specs" / "moe_a2a.py"
     spec.parent.mkdir()
     spec.write_text(
         "from axgen.spec import MeshRule\nfrom axgen.specs.moe_tiny import spec as moe\n"
-        "rule = MeshRule('.*', {'fsdp': 2, 'expert': 4}, why='ep', moe_dispatch='all_to_all')\n"
+        "rule = MeshRule('.*', {'fsdp': 2, 'expert': 4}, why='ep', moe_dispatch='all_to_all',"
+        " moe_receive_capacity=1.0)\n"
         "spec = moe.replace(mesh_rules=[rule])\n"
     )
     code, [report], _ = aot(capsys, str(spec), "--target", "tpu-v5e-8")

@@ -255,14 +255,15 @@ def test_gemma_block_makes_the_routed_experts_geglu_like_the_dense_mlp():
     np.testing.assert_allclose(runtime.expert_mlp(gate, up, activation="geglu"), expected, rtol=1e-6)
 
 
-def expert_parallel(tmp_path, dispatch, target="cpu-8", **moe):
-    """moe_tiny on a mesh with its experts split 4 ways (data=2, expert=4), token copies moved by `dispatch`; `moe`
-    replaces fields of its F.moe."""
+def expert_parallel(tmp_path, dispatch, target="cpu-8", receive_capacity=None, **moe):
+    """moe_tiny on a mesh with its experts split 4 ways (data=2, expert=4), token copies moved by `dispatch`
+    (bounded by `receive_capacity`); `moe` replaces fields of its F.moe."""
     spec = tmp_path / "specs" / f"moe_{dispatch}.py"
     spec.parent.mkdir(exist_ok=True)
     spec.write_text(
         "from axgen.spec import MeshRule\nfrom axgen.specs.moe_tiny import spec as moe\n"
-        f"rule = MeshRule('.*', {{'data': 2, 'expert': 4}}, why='experts one per device', moe_dispatch={dispatch!r})\n"
+        f"rule = MeshRule('.*', {{'data': 2, 'expert': 4}}, why='experts one per device', moe_dispatch={dispatch!r},"
+        f" moe_receive_capacity={receive_capacity!r})\n"
         f"feature = moe.feature('moe').replace(**{moe!r})\n"
         "features = [feature if f.pass_name == 'moe' else f for f in moe.features]\n"
         "spec = moe.replace(mesh_rules=[rule], features=features)\n"
@@ -286,6 +287,27 @@ def test_lowering_picks_the_all_to_all_collective_the_target_compiles(tmp_path, 
     assert "dispatch=ragged_all_to_all" in capsys.readouterr().out.replace("'", "").replace('"', "")
     default = build(MOE_TINY, "cpu-8").source
     assert [call["dispatch"] for call in moe_calls(default)] == [repr("all_gather")]
+
+
+def test_a_receive_capacity_bounds_the_all_to_all_and_its_drops_are_a_metric(tmp_path, capsys):
+    """MeshRule(moe_receive_capacity=...) reaches the program as the moe node's attr and the call's keyword, and
+    its dropped fraction joins the metrics the run logs; a capacity <= 0, or one without the all-to-all it bounds,
+    is refused at build time naming the rule, the field and the value."""
+    spec = expert_parallel(tmp_path, "all_to_all", receive_capacity=1.25)
+    source = build(spec, "cpu-8").source
+    assert [call["receive_capacity"] for call in moe_calls(source)] == ["1.25"]
+    assert "Each device takes 1.25x its even share of copies from each sender" in source
+    assert '"dropped_fraction"' in source.split("LOGGED_METRICS = ")[1].splitlines()[0]
+    assert axgen(["graph", str(spec), "--target", "tpu-v5e-8", "--after", "lowering"]) == 0
+    assert "receive_capacity=1.25" in capsys.readouterr().out
+    for dispatch, capacity, message in [
+        ("all_to_all", 0.0, "MeshRule.moe_receive_capacity=0.0 must be > 0"),
+        ("all_gather", 1.0, "MeshRule.moe_receive_capacity=1.0 bounds the all-to-all dispatch"),
+    ]:
+        bad = expert_parallel(tmp_path, dispatch, receive_capacity=capacity)
+        assert axgen(["build", str(bad), "--target", "cpu-8", "--out", str(tmp_path / "bad.py")]) == 2
+        assert message in capsys.readouterr().err
+        assert not (tmp_path / "bad.py").exists()
 
 
 @pytest.mark.parametrize(

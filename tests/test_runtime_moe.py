@@ -3,7 +3,10 @@ experts and weights by every routing the library takes, the auxiliary losses, th
 value (the experts' loads), the dropless path (one device, and split over data, expert and model axes by both
 dispatches) and the capacity path against a dense loop over each token's experts."""
 
+import functools
+
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -183,10 +186,13 @@ def activation_by_hand(gate, up, activation, limit=None, alpha=None):
     return (np.clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g)
 
 
-def experts_by_hand(x, logits, w_gate, w_up, w_down, routing, biases=None, capacity=None, **activation):
+def experts_by_hand(
+    x, logits, w_gate, w_up, w_down, routing, biases=None, capacity=None, kept=None, **activation
+):
     """Each token's output: the sum over its experts of weight x expert MLP, one token and expert at a time. With a
     `capacity`, an expert of a sequence takes the copies of first choices in order, then second choices, up to
-    `capacity`; the rest are dropped. Returns the output and the fraction of copies dropped."""
+    `capacity`; the rest are dropped. `kept(chosen)`, given the experts [batch, seq, top_k] by choice rank, says
+    which copies are kept instead. Returns the output and the fraction of copies dropped."""
     batch, seq, _ = x.shape
     chosen, weights = route_by_hand(logits.reshape(-1, logits.shape[-1]), routing)
     chosen, weights = chosen.reshape(batch, seq, -1), weights.reshape(batch, seq, -1)
@@ -197,11 +203,15 @@ def experts_by_hand(x, logits, w_gate, w_up, w_down, routing, biases=None, capac
         biases if biases is not None else (0 * w_gate[:, 0], 0 * w_up[:, 0], 0 * w_down[:, 0])
     )
     out, dropped = np.zeros_like(x), 0
+    keep = np.ones(chosen.shape, bool) if kept is None else kept(chosen)
     for b in range(batch):
         taken = np.zeros(w_up.shape[0], int)
         for k in range(routing.top_k):
             for s in range(seq):
                 e = chosen[b, s, k]
+                if not keep[b, s, k]:
+                    dropped += 1
+                    continue
                 if capacity is not None:
                     if taken[e] == capacity:
                         dropped += 1
@@ -289,6 +299,80 @@ def test_dropless_split_over_data_expert_and_model_equals_the_loop(dispatch, bia
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
     for name in one_aux:
         np.testing.assert_allclose(aux[name], one_aux[name], rtol=1e-6, err_msg=name)
+
+
+def test_the_ragged_all_to_all_backward_sums_over_devices_only_what_the_all_to_all_one_sums():
+    """XLA:CPU cannot run ragged-all-to-all, so its backward is read off the traced gradient: with fsdp=2 x
+    expert=4, the only sums over mesh axes are the fixed-block all_to_all path's (the auxiliary losses, the
+    weights' gradient over fsdp). jax types a ragged_all_to_all's result as its output buffer; a fresh buffer is
+    invariant, and the received rows' gradient was summed over the expert group ([rows, embed] psum over
+    `expert`: each device's rows given the group's sum, on chips an all-reduce of every receive buffer)."""
+    x, logits, w_gate, w_up, w_down, _ = tiny_experts(4, batch=8, seq=16, experts=8)
+    mesh = jax.make_mesh(
+        (1, 2, 4, 1), ("data", "fsdp", "expert", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 4
+    )
+
+    def sums(dispatch):
+        def loss(*arrays):
+            out, _ = dropless(
+                *arrays, routing=routing_with(top_k=2), dispatch=dispatch, rules=RULES, activation="swiglu"
+            )
+            return out.sum()
+
+        with jax.set_mesh(mesh):
+            jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(
+                *as_f32(x, logits, w_gate, w_up, w_down)
+            )
+        found = []
+
+        def visit(jaxpr):
+            for equation in jaxpr.eqns:
+                if equation.primitive.name.startswith("psum"):
+                    found.append((equation.params["axes"], tuple(equation.outvars[0].aval.shape)))
+                for sub in jax.extend.core.jaxprs_in_params(equation.params):
+                    visit(sub)
+
+        visit(jaxpr.jaxpr)
+        return sorted(found)
+
+    ragged, blocks = sums("ragged_all_to_all"), sums("all_to_all")
+    assert ragged == blocks, (ragged, blocks)
+    assert not [shape for axes, shape in ragged if "expert" in axes and len(shape) == 2 and shape[1] == EMBED]
+
+
+@pytest.mark.parametrize("receive_capacity, block", [(0.5, 2), (2.0, 8)], ids=["tight", "roomy"])
+def test_a_bounded_all_to_all_keeps_each_senders_first_choices_up_to_its_block(receive_capacity, block):
+    """data=2 x expert=2 x model=2, one sequence of 4 tokens a device, top-2: 8 copies a device, 4 for each of the
+    two devices of its expert group when balanced. A receive capacity of 0.5 gives each sender a block of 2 rows
+    on each device: a sender's copies for a device beyond 2 are dropped, its tokens' second choices before their
+    first, and counted; 2.0 gives room for all 8, which drops nothing (the dropless result)."""
+    x, logits, w_gate, w_up, w_down, _ = tiny_experts(4, batch=4)
+    routing = routing_with(top_k=2)
+    options = dict(routing=routing, dispatch="all_to_all", rules=RULES, activation="swiglu")
+    axis_types = (jax.sharding.AxisType.Auto,) * 4
+    with jax.set_mesh(
+        jax.make_mesh((2, 1, 2, 2), ("data", "fsdp", "expert", "model"), axis_types=axis_types)
+    ):
+        moe = functools.partial(dropless, receive_capacity=receive_capacity, **options)
+        out, aux = jax.jit(moe)(*as_f32(x, logits, w_gate, w_up, w_down))
+
+    def kept(
+        chosen,
+    ):  # [sequence = sending device, token, rank]: each destination takes a sender's first `block`
+        keep = np.zeros(chosen.shape, bool)
+        for b in range(chosen.shape[0]):
+            for destination in (0, 1):  # 4 experts, 2 a device
+                copies = [(k, s) for k in range(2) for s in range(4) if chosen[b, s, k] // 2 == destination]
+                for k, s in copies[:block]:
+                    keep[b, s, k] = True
+        return keep
+
+    expected, dropped = experts_by_hand(
+        x, logits, w_gate, w_up, w_down, routing, kept=kept, activation="swiglu"
+    )
+    np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(float(aux["dropped_fraction"]), dropped, rtol=1e-6)
+    assert (dropped > 0.1) == (block == 2), dropped
 
 
 @pytest.mark.parametrize("capacity_factor, capacity", [(0.5, 2), (2.0, 8)], ids=["tight", "roomy"])

@@ -142,6 +142,7 @@ class Plan:
     grouped_matmul: GroupedMatmul | None
     moe_dispatch: str  # all_gather, or the collective the target's all_to_all dispatch takes
     moe_dispatch_source: str  # the rule or backend default it came from
+    moe_receive_capacity: float | None  # the rule's bound on the all-to-all's receive buffer (MeshRule's)
     memory_fraction: float | None
     logical_axis_rules: tuple[tuple[str, tuple[str, ...]], ...] = LOGICAL_AXIS_RULES
 
@@ -221,6 +222,7 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
         moe_dispatch_source=(
             rule.provenance if rule.moe_dispatch else f"backends/{family.name}.py: moe_dispatch default"
         ),
+        moe_receive_capacity=rule.moe_receive_capacity,
         memory_fraction=rule.memory_fraction or family.memory_fraction,
     )
     _check_attention(plan, family, spec)

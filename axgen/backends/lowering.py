@@ -168,13 +168,20 @@ def grouped_matmul(g: Graph, plan: Plan) -> None:
 
 def moe_dispatch(g: Graph, plan: Plan) -> None:
     """How each dropless MoE whose experts are split over devices moves its token copies: the mesh rule's or the
-    backend's choice, as the collective this chip's compiler has. Unsplit experts move nothing."""
+    backend's choice, as the collective this chip's compiler has, and the rule's bound on what the all-to-all
+    receives. Unsplit experts move nothing."""
     rules, mesh = dict(plan.logical_axis_rules), dict(plan.mesh)
     if math.prod(mesh[a] for a in rules["expert"]) == 1:
         return
     for node in g.nodes(op="moe"):
-        if not node.attrs.capacity_factor:
-            g.update(node, dispatch=plan.moe_dispatch, dispatch_source=plan.moe_dispatch_source)
+        if node.attrs.capacity_factor:
+            continue
+        g.update(node, dispatch=plan.moe_dispatch, dispatch_source=plan.moe_dispatch_source)
+        if (
+            plan.moe_receive_capacity is not None
+        ):  # the dropped copies are counted, as the capacity path's are
+            aux = (*node.attrs.aux, "dropped_fraction")
+            g.update(node, receive_capacity=plan.moe_receive_capacity, aux=aux)
 
 
 def remat(g: Graph, plan: Plan) -> None:

@@ -46,6 +46,9 @@ class MoEAttrs(Attrs):
     # (ragged_all_to_all, all_to_all) that sends each copy only to its expert's device; and where that came from.
     dispatch: str = "all_gather"
     dispatch_source: str | None = None
+    receive_capacity: float | None = (
+        None  # the all-to-all's bound (MeshRule.moe_receive_capacity), which drops
+    )
     # The experts' products by the projection roles remat policies name (DotAttrs.role): under a policy, the remat
     # lowering sets `checkpointed`, and each product's output carries its role as its checkpoint name.
     roles: tuple[str, str] = ("mlp_in", "mlp_out")

@@ -292,8 +292,9 @@ def moe_dropless(
     dispatch,
     check_vma,
     rules,
+    receive_capacity=None,
 ):
-    """Mixture of experts that drops no token. Each device routes its own rows of the batch: the expert weights
+    """Mixture of experts that drops no token (unless `receive_capacity` bounds the all-to-all, below). Each device routes its own rows of the batch: the expert weights
     reach it whole along `embed` (FSDP's all-gather), split along `expert` and `mlp` as the program's `rules`
     (LOGICAL_AXIS_RULES) say. Sorting the whole batch's tokens by expert instead would gather them all onto every
     device. The experts' products run by grouped_matmul's `kernel` with its `tiles`, or by a `quantize`d ragged dot
@@ -301,13 +302,21 @@ def moe_dropless(
     them. `dispatch`: how token copies reach the devices of
     their experts where the experts are split, "all_gather" (every token of the expert group to every device),
     "ragged_all_to_all" or "all_to_all" (each copy only to its expert's device: _experts_by_all_to_all).
+    `receive_capacity`, with an all-to-all `dispatch`: each device takes at most ceil(receive_capacity * copies /
+    devices) token copies from each device of its expert group (`copies`: a device's tokens x top_k, so 1.0 is
+    the even share), a receive buffer of receive_capacity x copies rows instead of the whole group's; the auxiliary
+    outputs add `dropped_fraction` (_experts_by_all_to_all says which copies drop).
     `check_vma=False` is for a kernel whose outputs name no mesh axes they vary over, which shard_map's check
     refuses; unchecked, values and gradients are the same, the backward may sum a cotangent once more (JEP 17111).
     `biases`: (b_gate, b_up, b_down), each expert's bias per output, split as its weight's outputs are (gpt-oss).
     `checkpoint_names`: the names remat policies save the up/gate and down products under."""
     experts = _experts(activation, swiglu_limit, swiglu_alpha, checkpoint_names, kernel, tiles, quantize)
     on_device = functools.partial(
-        _moe_dropless_on_device, routing=routing, experts=experts, dispatch=dispatch
+        _moe_dropless_on_device,
+        routing=routing,
+        experts=experts,
+        dispatch=dispatch,
+        receive_capacity=receive_capacity,
     )
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
@@ -359,6 +368,7 @@ def _moe_dropless_on_device(
     routing: Routing,
     experts: _Experts,
     dispatch,
+    receive_capacity=None,
     batch_axes=None,
     expert_axes=None,
     mlp_axes=None,
@@ -378,7 +388,7 @@ def _moe_dropless_on_device(
     num_experts_here = w_up.shape[0]
     top_k = routing.top_k
     if expert_axes and dispatch != "all_gather":
-        out = _experts_by_all_to_all(
+        out, kept = _experts_by_all_to_all(
             tokens,
             weights,
             chosen,
@@ -391,9 +401,15 @@ def _moe_dropless_on_device(
             dispatch,
             mlp_axes,
             biases,
+            receive_capacity,
         )
         if mlp_axes:
             out = jax.lax.psum(out, mlp_axes)
+        if receive_capacity is not None:
+            kept, copies = kept.sum(), jnp.float32(chosen.shape[0])
+            if batch_axes:
+                kept, copies = jax.lax.psum(kept, batch_axes), jax.lax.psum(copies, batch_axes)
+            aux["dropped_fraction"] = 1 - kept / copies
         return out.reshape(x.shape), aux
     if expert_axes:
         tokens, weights, chosen = (
@@ -429,55 +445,78 @@ def _experts_by_all_to_all(
     dispatch,
     mlp_axes,
     biases=None,
+    receive_capacity=None,
 ):
     """The experts' outputs for this device's token copies [tokens * top_k] chosen among all experts, summed onto its
     tokens [tokens, embed], when the experts are split over `expert_axes`: each copy travels only to the device
-    that holds its expert, and its output comes back the same way.
+    that holds its expert, and its output comes back the same way; and which copies were kept [tokens * top_k].
 
-    The copies are sorted by expert, which groups them by destination device; each device sorts what it receives
-    by its own experts for the grouped matmul, restores the order it received them in, and sends the outputs
-    back. A device can receive at most every copy of its expert group (all of them choosing its experts), so its
-    receive buffer has that many rows and no token is dropped. `dispatch` is the collective:
-    ragged_all_to_all sends each device exactly its copies (the per-destination counts are all-gathered first);
-    all_to_all, for XLA:CPU, which has no ragged-all-to-all, sends a fixed block per destination whose capacity
-    is every local copy (tokens * top_k), so here too nothing is dropped, and values and gradients equal the
-    all-gather path's; only the padding travels too."""
+    The copies are sorted by destination device, and within a destination first choices before second choices
+    (then by token); each device sorts what it receives by its own experts for the grouped matmul, restores the
+    order it received them in, and sends the outputs back. Each device keeps a block of `block` rows for each
+    sender. Without `receive_capacity` a block holds every copy of its sender (all of them choosing this device's
+    experts), so nothing is dropped and values and gradients equal the all-gather path's. With it, a block holds
+    ceil(receive_capacity * copies / devices) rows, and a sender's copies for a device beyond that are dropped,
+    its tokens' later choices first: a dropped copy adds nothing to its token (which passes on through the
+    residual) and its router weight gets no gradient, as in the capacity path. `dispatch` is the collective:
+    ragged_all_to_all sends each device exactly its kept copies (the per-destination counts are all-gathered
+    first); all_to_all, for XLA:CPU, which has no ragged-all-to-all, sends every block whole, padding included.
+    """
     num_experts_here = w_up.shape[0]
     devices, copies = jax.lax.axis_size(expert_axes), chosen.shape[0]
-    by_expert = jnp.argsort(chosen)
-    token_of_copy = by_expert // top_k
-    destination, local_expert = jnp.divmod(chosen[by_expert], num_experts_here)
-    send_sizes = jnp.bincount(destination, length=devices).astype(jnp.int32)
-    send_offsets = jnp.cumsum(send_sizes) - send_sizes
+    block = (
+        copies if receive_capacity is None else min(copies, math.ceil(receive_capacity * copies / devices))
+    )
+    destination_of = chosen // num_experts_here
+    choice = jnp.arange(copies) % top_k  # a copy's rank among its token's choices: 0 first
+    by_destination = jnp.lexsort((jnp.arange(copies), choice, destination_of))
+    token_of_copy = by_destination // top_k
+    destination, local_expert = jnp.divmod(chosen[by_destination], num_experts_here)
+    counts = jnp.bincount(destination, length=devices).astype(jnp.int32)
+    send_offsets = jnp.cumsum(counts) - counts
+    slot = jnp.arange(copies) - send_offsets[destination]  # each copy's row in its destination's block
+    kept = slot < block
     if dispatch == "ragged_all_to_all":
-        sizes = jax.lax.all_gather(send_sizes, expert_axes)  # [sender, receiver]
+        all_counts = jax.lax.all_gather(counts, expert_axes)  # [sender, receiver]
         me = jax.lax.axis_index(expert_axes)
-        recv_sizes = sizes[:, me]
-        recv_offsets = jnp.cumsum(recv_sizes) - recv_sizes
-        # A receiver lays out its senders' copies in sender order: mine start after those of the senders before me.
-        out_offsets = (jnp.cumsum(sizes, axis=0) - sizes)[me]
-        back_offsets = (jnp.cumsum(sizes, axis=1) - sizes)[:, me]  # where each sender's copies for me started
+        send_sizes, recv_sizes = jnp.minimum(counts, block), jnp.minimum(all_counts[:, me], block)
+        # A receiver keeps a block for each sender, in sender order, and sends each block back to where its
+        # copies start in the sender's order.
+        blocks_at = jnp.arange(devices, dtype=jnp.int32) * block
+        back_offsets = (jnp.cumsum(all_counts, axis=1) - all_counts)[:, me]
+
+        # jax types ragged_all_to_all's result as its output buffer: a fresh buffer is invariant, as if every
+        # device received the same rows, and the transpose of the cast to varying that the experts' products then
+        # need would sum the received rows' gradients over the devices (an all-reduce of the whole buffer, each
+        # device's rows' gradient replaced by the group's sum). The buffers are typed as varying as what fills them.
+        received_varies = varying_axes(tokens) | set(
+            expert_axes if isinstance(expert_axes, tuple) else [expert_axes]
+        )
 
         def send(x, fill):
-            buffer = jnp.full((devices * copies, *x.shape[1:]), fill, x.dtype)
-            args = (send_offsets, send_sizes, out_offsets, recv_sizes)
-            return jax.lax.ragged_all_to_all(x, buffer, *args, axis_name=expert_axes)
+            buffer = jnp.full((devices * block, *x.shape[1:]), fill, x.dtype)
+            args = (send_offsets, send_sizes, jnp.full_like(send_sizes, me * block), recv_sizes)
+            return jax.lax.ragged_all_to_all(
+                x, varying_over(buffer, received_varies), *args, axis_name=expert_axes
+            )
 
         def send_back(y):
             buffer = jnp.zeros((copies, *y.shape[1:]), y.dtype)
-            args = (recv_offsets, recv_sizes, back_offsets, send_sizes)
-            return jax.lax.ragged_all_to_all(y, buffer, *args, axis_name=expert_axes)
+            args = (blocks_at, recv_sizes, back_offsets, send_sizes)
+            return jax.lax.ragged_all_to_all(
+                y, varying_over(buffer, received_varies), *args, axis_name=expert_axes
+            )
 
     elif dispatch == "all_to_all":
-        slot = jnp.arange(copies) - send_offsets[destination]  # each copy's row in its destination's block
 
         def send(x, fill):
-            blocks = jnp.full((devices, copies, *x.shape[1:]), fill, x.dtype).at[destination, slot].set(x)
-            return jax.lax.all_to_all(blocks, expert_axes, 0, 0).reshape(devices * copies, *x.shape[1:])
+            blocks = jnp.full((devices, block, *x.shape[1:]), fill, x.dtype)
+            blocks = blocks.at[destination, slot].set(x, mode="drop")  # a slot past the block: dropped
+            return jax.lax.all_to_all(blocks, expert_axes, 0, 0).reshape(devices * block, *x.shape[1:])
 
         def send_back(y):
-            blocks = jax.lax.all_to_all(y.reshape(devices, copies, *y.shape[1:]), expert_axes, 0, 0)
-            return blocks[destination, slot]
+            blocks = jax.lax.all_to_all(y.reshape(devices, block, *y.shape[1:]), expert_axes, 0, 0)
+            return blocks.at[destination, slot].get(mode="fill", fill_value=0)
 
     else:
         raise ValueError(f"no MoE dispatch {dispatch!r}: all_gather, ragged_all_to_all or all_to_all")
@@ -490,8 +529,10 @@ def _experts_by_all_to_all(
         rows, received_experts[order], group_sizes, w_gate, w_up, w_down, biases, mlp_axes
     )
     down = jnp.where((received_experts[order] < num_experts_here)[:, None], down, 0)
-    out = send_back(jnp.zeros_like(down).at[order].set(down)) * weights[by_expert, None].astype(tokens.dtype)
-    return jnp.zeros_like(tokens).at[token_of_copy].add(out)
+    out = send_back(jnp.zeros_like(down).at[order].set(down)) * weights[by_destination, None].astype(
+        tokens.dtype
+    )
+    return jnp.zeros_like(tokens).at[token_of_copy].add(out), kept
 
 
 def moe_with_capacity(

@@ -31,7 +31,11 @@ class MeshRule(SpecNode):
     is larger accumulates gradients over `per-device batch / microbatch` passes. `attention_block` is the query
     and key/value block length of the splash attention kernel. `memory_fraction` is the share of each device's
     memory the program's allocator takes (GPU), and what `axgen aot` checks the peak against. `moe_dispatch` is how
-    a dropless MoE whose experts are split over devices moves its token copies (MOE_DISPATCHES)."""
+    a dropless MoE whose experts are split over devices moves its token copies (MOE_DISPATCHES).
+    `moe_receive_capacity` bounds the all_to_all dispatch: each device takes at most that factor of its even share
+    of token copies from each device of its expert group (1.0: the share perfectly balanced routing sends), and
+    the copies beyond it are dropped, later choices first, and counted (`dropped_fraction`); unset, a device has
+    room for every copy of its group (expert x its share), which DeepSeek-V3 at expert=64 cannot hold."""
 
     pattern: str
     mesh: dict[str, int]
@@ -45,6 +49,7 @@ class MeshRule(SpecNode):
     quantize_dtype: str | None = None
     memory_fraction: float | None = None
     moe_dispatch: str | None = None
+    moe_receive_capacity: float | None = None
     xla_flags: tuple[str, ...] = ()
 
     def validate(self) -> None:
@@ -73,6 +78,16 @@ class MeshRule(SpecNode):
         for name in ("attention_block", "microbatch"):
             if getattr(self, name) is not None:
                 self.require_positive(name)
+        if self.moe_receive_capacity is not None:
+            if self.moe_receive_capacity <= 0:
+                self.fail(
+                    "moe_receive_capacity", "must be > 0 (a factor of a device's even share of token copies)"
+                )
+            if self.moe_dispatch != "all_to_all":
+                self.fail(
+                    "moe_receive_capacity",
+                    "bounds the all-to-all dispatch; the rule needs moe_dispatch='all_to_all' with it",
+                )
         if self.memory_fraction is not None and not 0 < self.memory_fraction <= 1:
             self.fail("memory_fraction", "is not in (0, 1]")
         if self.attention_block is not None and self.attention_block % 128:
