@@ -316,3 +316,40 @@ def _built(tmp_path, spec_file):
     path = tmp_path / "program.py"
     write_atomically(path, build(spec_file, "cpu-1").source)
     return path
+
+
+def test_dpo_counts_its_reference_forward_in_the_flops_per_token(tmp_path):
+    """A training step is 6 FLOPs per multiply-add of the weights (2 forward, 4 backward) and attention likewise;
+    DPO's reference adds a forward pass, 2 more: a full DPO step is 8/6 of the plain step. With LoRA the reference
+    is the frozen base forward with the adapters (zero) still multiplied: a third of the plain step, and 2 per
+    adapter weight."""
+    import math
+
+    def built(features: str):
+        spec_file = tmp_path / "spec.py"
+        spec_file.write_text(
+            "from axgen.spec import features as F\n"
+            "from tests.fixtures.preference_spec import spec as base\n"
+            f"spec = base.replace(features=[*base.features[:2], {features}])\n"
+        )
+        return build(spec_file, "cpu-1")
+
+    def flops(features: str) -> int:
+        (line,) = [line for line in built(features).source.splitlines() if '"flops_per_token":' in line]
+        return int(line.split(":")[1].split(",")[0])
+
+    plain, full_dpo = flops(""), flops("F.dpo()")
+    lora, lora_dpo = flops("F.lora(rank=4, alpha=8)"), flops("F.lora(rank=4, alpha=8), F.dpo()")
+    graph = built("F.lora(rank=4, alpha=8)").graph
+    adapter_weights = sum(
+        graph.regions[node.region].repeat * math.prod(p.shape)
+        for node in graph.nodes()
+        for p in node.params.values()
+        if p.adapter
+    )
+    assert abs(full_dpo - plain * 8 / 6) <= 1, (plain, full_dpo)
+    assert lora < plain and abs(lora_dpo - lora - (plain / 3 + 2 * adapter_weights)) <= 2, (
+        plain,
+        lora,
+        lora_dpo,
+    )

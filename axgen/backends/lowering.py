@@ -310,13 +310,18 @@ def kernel_switches(g: Graph, plan: Plan) -> None:
 
 
 def config(g: Graph, plan: Plan) -> None:
-    """CONFIG: the spec's facts from_spec recorded, with the parameter count and FLOPs per token of this graph."""
+    """CONFIG: the spec's facts from_spec recorded, with the parameter count and FLOPs per token of this graph (a
+    training step's; with DPO's reference, its forward pass besides)."""
     params = cost.num_params(g)
-    flops = cost.flops_per_token(g, dict((k, v) for k, v, _ in g.attrs["config"])["seq_len"])
+    seq_len = dict((k, v) for k, v, _ in g.attrs["config"])["seq_len"]
+    flops, why = cost.flops_per_token(g, seq_len), "6 x matmul weights used + causal attention"
+    (head,) = g.nodes(op="lm_head")
+    if head.attrs.reference:  # DPO runs the reference model forward on every pair too
+        flops, why = flops + cost.forward_flops_per_token(g, seq_len), why + " + the reference's forward pass"
     g.attrs["config"] = (
         *g.attrs["config"],
         ("num_params", params, f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"),
-        ("flops_per_token", flops, "6 x matmul weights used + causal attention"),
+        ("flops_per_token", flops, why),
     )
 
 
