@@ -14,11 +14,11 @@ mkdir -p "$WORK/logs"
 # remat (axgen policy; run_maxtext.sh maps it) | optimizer offload | earlier axgen | earlier MaxText   (GiB/chip)
 # Every value but the topology name is axgen's own plan for the target (run_axgen.sh prints it; checked below).
 TABLE='
-llama2-7b    tpu-v5e-256   v5e-256 1 1 4 4096 offload_dots false 5.14  5.52
-llama2-7b    tpu-v5e-256x2 v5e-256 2 1 2 4096 offload_dots false 5.20  10.24
-llama3-8b    tpu-v5p-128   v5p-256 1 2 2 8192 save_dots    false 50.67 61.40
-llama3-8b    tpu-v5e-256   v5e-256 1 1 2 8192 offload_dots false 8.94  12.18
-mixtral-8x7b tpu-v5p-256   v5p-512 1 1 1 8192 save_dots    false 48.22 49.59
+llama2-7b    tpu-v5e-256   v5e-256 1 1 4 4096 offload_dots false 5.36  5.52
+llama2-7b    tpu-v5e-256x2 v5e-256 2 1 2 4096 offload_dots false 5.35  10.24
+llama3-8b    tpu-v5p-128   v5p-256 1 2 2 8192 save_dots    false 53.93 61.40
+llama3-8b    tpu-v5e-256   v5e-256 1 1 2 8192 offload_dots false 9.03  12.18
+mixtral-8x7b tpu-v5p-256   v5p-512 1 1 1 8192 save_dots    false 53.03 49.59
 '
 OUT=$WORK/table.md
 {
