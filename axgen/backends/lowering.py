@@ -177,10 +177,8 @@ def moe_dispatch(g: Graph, plan: Plan) -> None:
         if node.attrs.capacity_factor:
             continue
         g.update(node, dispatch=plan.moe_dispatch, dispatch_source=plan.moe_dispatch_source)
-        if (
-            plan.moe_receive_capacity is not None
-        ):  # the dropped copies are counted, as the capacity path's are
-            aux = (*node.attrs.aux, "dropped_fraction")
+        if plan.moe_receive_capacity is not None:
+            aux = (*node.attrs.aux, "dropped_fraction")  # the dropped copies counted, as the capacity path's
             g.update(node, receive_capacity=plan.moe_receive_capacity, aux=aux)
 
 

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 from axgen.runtime.kernels import GROUPED_MATMUL_KERNELS
 from axgen.runtime.quantized_experts import fp8_ragged_dot, int8_ragged_dot
-from axgen.runtime.sharding import logical_to_mesh, varying_axes, varying_over
+from axgen.runtime.sharding import logical_to_mesh, mesh_axes, varying_axes, varying_over
 
 QUANTIZED_RAGGED_DOTS = {"int8": int8_ragged_dot, "fp8": fp8_ragged_dot}
 
@@ -294,14 +294,15 @@ def moe_dropless(
     rules,
     receive_capacity=None,
 ):
-    """Mixture of experts that drops no token (unless `receive_capacity` bounds the all-to-all, below). Each device routes its own rows of the batch: the expert weights
-    reach it whole along `embed` (FSDP's all-gather), split along `expert` and `mlp` as the program's `rules`
-    (LOGICAL_AXIS_RULES) say. Sorting the whole batch's tokens by expert instead would gather them all onto every
-    device. The experts' products run by grouped_matmul's `kernel` with its `tiles`, or by a `quantize`d ragged dot
-    ("int8", "fp8": runtime.int8_ragged_dot, fp8_ragged_dot), on a kernel whose entry in runtime/kernels.py takes
-    them. `dispatch`: how token copies reach the devices of
-    their experts where the experts are split, "all_gather" (every token of the expert group to every device),
-    "ragged_all_to_all" or "all_to_all" (each copy only to its expert's device: _experts_by_all_to_all).
+    """Mixture of experts that drops no token (unless `receive_capacity` bounds the all-to-all, below). Each
+    device routes its own rows of the batch: the expert weights reach it whole along `embed` (FSDP's all-gather),
+    split along `expert` and `mlp` as the program's `rules` (LOGICAL_AXIS_RULES) say. Sorting the whole batch's
+    tokens by expert instead would gather them all onto every device. The experts' products run by
+    grouped_matmul's `kernel` with its `tiles`, or by a `quantize`d ragged dot ("int8", "fp8":
+    runtime.int8_ragged_dot, fp8_ragged_dot), on a kernel whose entry in runtime/kernels.py takes them.
+    `dispatch`: how token copies reach the devices of their experts where the experts are split, "all_gather"
+    (every token of the expert group to every device), "ragged_all_to_all" or "all_to_all" (each copy only to its
+    expert's device: _experts_by_all_to_all).
     `receive_capacity`, with an all-to-all `dispatch`: each device takes at most ceil(receive_capacity * copies /
     devices) token copies from each device of its expert group (`copies`: a device's tokens x top_k, so 1.0 is
     the even share), a receive buffer of receive_capacity x copies rows instead of the whole group's; the auxiliary
@@ -489,9 +490,7 @@ def _experts_by_all_to_all(
         # device received the same rows, and the transpose of the cast to varying that the experts' products then
         # need would sum the received rows' gradients over the devices (an all-reduce of the whole buffer, each
         # device's rows' gradient replaced by the group's sum). The buffers are typed as varying as what fills them.
-        received_varies = varying_axes(tokens) | set(
-            expert_axes if isinstance(expert_axes, tuple) else [expert_axes]
-        )
+        received_varies = varying_axes(tokens) | set(mesh_axes(expert_axes))
 
         def send(x, fill):
             buffer = jnp.full((devices * block, *x.shape[1:]), fill, x.dtype)

@@ -13,8 +13,9 @@ def logical_to_mesh(rules: dict, logical_axes, shape, mesh_shape) -> P:
     """PartitionSpec for a tensor: each dimension takes, in its rule's order, the mesh axes that are unused, larger
     than 1, and still divide the dimension with those taken before them, so a rule's later axes are its fallbacks
     (MaxText lists them as repeated rules): DeepSeek-V3's 1536-wide q latent takes fsdp=128 of fsdp x expert =
-    128 x 8, which it could not take whole. A None axis is whole on every device. Inside a shard_map, the axes it made manual are each device's own and
-    split nothing (`replica_axes`: a step that accumulates gradients runs under one)."""
+    128 x 8, which it could not take whole. A None axis is whole on every device. Inside a shard_map, the axes it
+    made manual are each device's own and split nothing (`replica_axes`: a step that accumulates gradients runs
+    under one)."""
     used, spec = set(jax.sharding.get_abstract_mesh().manual_axes), []
     for axis, size in zip(logical_axes, shape):
         mesh_axes = ()
@@ -47,10 +48,14 @@ def param_shardings(mesh, specs, rules: dict):
     )
 
 
+def mesh_axes(entry) -> tuple[str, ...]:
+    """The mesh axes one entry of a PartitionSpec names: None, a mesh axis, or a tuple of them."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def shards(entry, mesh_shape) -> int:
-    """How many parts one entry of a PartitionSpec (None, a mesh axis, or a tuple of them) splits a dimension into."""
-    axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
-    return math.prod(mesh_shape[axis] for axis in axes)
+    """How many parts one entry of a PartitionSpec splits a dimension into."""
+    return math.prod(mesh_shape[axis] for axis in mesh_axes(entry))
 
 
 def replica_axes(rules: dict, mesh_shape) -> tuple[str, ...]:
