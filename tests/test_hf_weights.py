@@ -70,7 +70,7 @@ def test_sharded_safetensors_restore_into_a_sharded_mesh_as_the_hf_params(dtype,
     assert code == 0, output
     assert "wrote" in output
 
-    program.MESH_SHAPE = {"data": 1, "fsdp": 4, "expert": 1, "model": 2}
+    program.MESH_SHAPE = {"data": 1, "fsdp": 4, "expert": 1, "context": 1, "model": 2}
     try:
         mesh = Program.from_module(program).make_mesh()
         restored = Program.from_module(program).restore_params(tmp_path / "ckpt", mesh)

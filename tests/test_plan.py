@@ -200,7 +200,10 @@ def test_plan_inputs_are_one_line(capsys, tmp_path):
         axgen(["plan", str(ROOT / "axgen/specs/llama_tiny.py"), "--target", "cpu-8", "--mesh", "fsdb=8"])
     assert exit.value.code == 2
     err = capsys.readouterr().err
-    assert "names fsdb, not one of data, fsdp, expert, model" in err and len(err.strip().splitlines()) == 1
+    assert (
+        "names fsdb, not one of data, fsdp, expert, context, model" in err
+        and len(err.strip().splitlines()) == 1
+    )
     shutil.copy(ROOT / "axgen/specs/llama_tiny.py", tmp_path / "tiny.py")
     (tmp_path / "tiny.py").write_text((tmp_path / "tiny.py").read_text().replace("spec = ", "spec = [] or "))
     with pytest.raises(planning.PlanError, match="tiny.py: has no `spec = Model"):

@@ -1,6 +1,7 @@
 """`axgen plan SPEC --target T`: the mesh rule a user would otherwise tune by hand, found by compiling.
 
-Candidates are mesh splits (data x fsdp x expert x model within a slice) x remat policies x microbatch sizes x
+Candidates are mesh splits (data x fsdp x expert x context x model within a slice; context from LONG_CONTEXT
+tokens on) x remat policies x microbatch sizes x
 splash block lengths (TPU). Each is compiled for the target's chips without them (`axgen aot`'s deviceless
 compile), dropped when its peak exceeds what the program's allocator takes, and ranked by an estimated step time:
 the slowest of four resources at the chip's published peak rate, as if the others overlapped with it
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import math
 import threading
 from collections.abc import Callable
@@ -66,6 +68,10 @@ KEPT_ON_DEVICE = {
 }
 MODEL_SPLITS = (1, 2, 4, 8)  # tensor parallelism beyond 8 leaves a host's fast links
 DATA_SPLITS = (1, 2, 4, 8)
+# Sequences this long or longer are also tried split over context shards: shorter ones fit a device's activations
+# without paying for the keys' and values' gathers.
+LONG_CONTEXT = 16_384
+CONTEXT_SPLITS = (1, 2, 4, 8, 16)
 SPLASH_BLOCKS = (256, 512, 1024)
 BLOCKS_TRIED_ON = 3  # the best candidates whose splash block length is varied
 
@@ -273,7 +279,7 @@ def _needs_no_more(compiled: tuple, mesh: tuple) -> bool:
     as many fsdp devices (so each holds no more of them, their gradients and optimizer state)."""
     compiled, mesh = dict(compiled), dict(mesh)
     return (
-        all(compiled[a] == mesh[a] for a in ("model", "expert"))
+        all(compiled[a] == mesh[a] for a in ("model", "expert", "context"))
         and compiled["data"] * compiled["fsdp"] == mesh["data"] * mesh["fsdp"]
         and compiled["fsdp"] >= mesh["fsdp"]
     )
@@ -281,23 +287,24 @@ def _needs_no_more(compiled: tuple, mesh: tuple) -> bool:
 
 def _meshes(spec: Model, plan: Plan) -> list[tuple[tuple[str, int], ...]]:
     """Splits of one slice's devices: model and expert parallelism where the model's widths divide, data
-    parallelism over a few groups, fsdp over the rest; the target's own rule first."""
-    per_slice = plan.num_devices // plan.num_slices
+    parallelism over a few groups, context parallelism for long sequences (without routed experts, which route
+    whole sequences), fsdp over the rest; the target's own rule first."""
+    per_slice, seq_len = plan.num_devices // plan.num_slices, spec.train.seq_len
     attention, moe = spec.decoder.attention, spec.feature("moe")
     widths = (attention.num_heads, attention.num_kv_heads, spec.decoder.mlp.hidden_dim, spec.vocab_size)
     experts = (1, 2, 4, 8) if moe else (1,)
+    contexts = [c for c in CONTEXT_SPLITS if c == 1 or (seq_len >= LONG_CONTEXT and not moe)]
     found = [own_candidate(spec, plan).mesh]
-    for model in MODEL_SPLITS:
-        for expert in experts:
-            for data in DATA_SPLITS:
-                if per_slice % (model * expert * data) or any(w % model for w in widths):
-                    continue
-                if moe and moe.num_experts % expert:
-                    continue
-                mesh = _full({"data": data, "expert": expert, "model": model, "fsdp": -1}, per_slice)
-                batch_shards = math.prod(n for a, n in mesh if a in dict(LOGICAL_AXIS_RULES)["batch"])
-                if mesh not in found and spec.train.global_batch % (batch_shards * plan.num_slices) == 0:
-                    found.append(mesh)
+    for model, expert, data, context in itertools.product(MODEL_SPLITS, experts, DATA_SPLITS, contexts):
+        if per_slice % (model * expert * data * context) or any(w % model for w in widths):
+            continue
+        if (moe and moe.num_experts % expert) or seq_len % (2 * context):
+            continue
+        split = {"data": data, "expert": expert, "context": context, "model": model, "fsdp": -1}
+        mesh = _full(split, per_slice)
+        batch_shards = math.prod(n for a, n in mesh if a in dict(LOGICAL_AXIS_RULES)["batch"])
+        if mesh not in found and spec.train.global_batch % (batch_shards * plan.num_slices) == 0:
+            found.append(mesh)
     return found
 
 

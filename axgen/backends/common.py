@@ -18,11 +18,14 @@ GIB = 1024**3
 # fallbacks), so activations [batch, seq, embed] shard batch over data x fsdp and leave embed whole, while
 # weights [embed, heads, head_dim] shard embed over fsdp and heads over model. Outside the experts, the expert
 # mesh axis is one more data-parallel axis and one more fsdp axis of the weights, as in MaxText (its `embed`
-# and `q_lora`/`kv_lora` rules); the experts' own weights [expert, embed, mlp] have given it to `expert`.
+# and `q_lora`/`kv_lora` rules); the experts' own weights [expert, embed, mlp] have given it to `expert`. The
+# `context` axis splits each sequence (runtime/context.py) and, as MaxText's does, the weights as one more fsdp
+# axis: its devices hold different positions of the same rows, so they share the weights' gradients.
 # Every logical axis the IR names has a rule; those not listed here are replicated.
 _SHARDED = {
     "batch": ("data", "fsdp", "expert"),
-    "embed": ("fsdp", "expert"),
+    "seq": ("context",),
+    "embed": ("fsdp", "expert", "context"),
     "heads": ("model",),
     "kv_heads": ("model",),
     "mlp": ("model",),
@@ -30,7 +33,7 @@ _SHARDED = {
     "expert": ("expert",),
     # MLA's up-projections [latent, heads, head_dim] would otherwise be whole on every device of an fsdp mesh
     # (heads go to `model`): DeepSeek-V3's are 3.2B params a device, 37 GB with their Adam moments.
-    "latent": ("fsdp", "expert"),
+    "latent": ("fsdp", "expert", "context"),
 }
 LOGICAL_AXIS_RULES: tuple[tuple[str, tuple[str, ...]], ...] = tuple(
     (axis, _SHARDED.get(axis, ())) for axis in LOGICAL_AXES
@@ -226,8 +229,27 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
         memory_fraction=rule.memory_fraction or family.memory_fraction,
     )
     _check_attention(plan, family, spec)
+    _check_context(plan, spec)
     _check_capabilities(plan, spec)
     return plan
+
+
+def _check_context(plan: Plan, spec: Model) -> None:
+    """A sequence split over `context` shards is cut into twice as many equal chunks (runtime/context.py)."""
+    context = dict(plan.mesh)["context"]
+    moe = spec.feature("moe")
+    if context > 1 and moe is not None:
+        raise SpecError(
+            f"{plan.rule.origin}: MeshRule.mesh context={context} (pattern {plan.rule.pattern!r}) splits sequences, "
+            f"and the routed experts of {moe.origin} route whole sequences on each device (their balance losses and "
+            "capacity are per sequence): context parallelism with routed experts is not built yet"
+        )
+    if context > 1 and spec.train.seq_len % (2 * context):
+        raise SpecError(
+            f"{plan.rule.origin}: MeshRule.mesh context={context} (pattern {plan.rule.pattern!r}) does not cut "
+            f"Train.seq_len={spec.train.seq_len} into {2 * context} equal chunks (each context shard holds a "
+            f"front and a back chunk, so causal attention's work is even; {spec.train.origin})"
+        )
 
 
 def _moe_dispatch(dispatch: str, family: Family) -> str:

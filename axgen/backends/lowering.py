@@ -65,6 +65,62 @@ def shard(g: Graph, plan: Plan) -> None:
             g.update(node, constrain=node.type.axes)
 
 
+# Why a sequence split over context shards meets its keys by gathering them: GQA keeps the keys and values a few
+# times smaller than the queries (Llama 3 8B: 8 of 32 heads, 0.5 GiB a layer at 128k tokens in bf16), so every
+# device holds them whole for one layer at a time, in one collective the compiler can overlap with the layer's
+# projections. A ring would hold two shards' worth but pass c - 1 times, each pass a kernel call too short to hide
+# it; MaxText's default is the all-gather too.
+CONTEXT_ATTENTION_WHY = (
+    "GQA keeps keys and values a few times smaller than the queries, so each device holds its rows' whole"
+    " sequence of them for one layer"
+)
+
+
+def context(g: Graph, plan: Plan) -> None:
+    """Where the mesh splits each sequence over context shards: the model's inputs go into context order (each
+    shard holds a front and a back chunk, runtime/context.py) and the output head's input back into sequence
+    order, between which every op but attention is per position; each attention gathers its keys and values
+    over the shards (`context`, with why)."""
+    rules, mesh = dict(plan.logical_axis_rules), dict(plan.mesh)
+    shards = math.prod(mesh[a] for a in rules["seq"])
+    if shards == 1:
+        return
+    source = plan.rule.provenance
+    label = f"context parallelism: {shards} shards, each a front and a back chunk of the sequence"
+    reordered: dict[str, Node] = {}
+    for node in list(g.nodes(region="main")):
+        for slot, producer in g.inputs(node).items():
+            if producer.op not in ("input", "positions") or node.op == "positions":
+                continue
+            if producer.name not in reordered:
+                reordered[producer.name] = g.add(
+                    "main",
+                    f"context_{producer.name}",
+                    "context_order",
+                    {"x": producer},
+                    source=source,
+                    label=label,
+                    to="context",
+                    shards=shards,
+                )
+            g.rewire(node, slot, reordered[producer.name])
+    (head,) = g.nodes(op="lm_head")
+    hidden = g.inputs(head)["x"]
+    in_order = g.add(
+        "main",
+        f"{hidden.name}_in_order",
+        "context_order",
+        {"x": hidden},
+        source=source,
+        label=label,
+        to="sequence",
+        shards=shards,
+    )
+    g.rewire(head, "x", in_order)
+    for node in g.nodes(op="attention"):
+        g.update(node, context="all_gather", context_why=CONTEXT_ATTENTION_WHY)
+
+
 def attention_kernel(g: Graph, plan: Plan) -> None:
     """Each attention's kernel: the target's, else the first XLA path that takes what the node needs (a soft-cap or
     sinks take plain XLA ops where the kernel lacks them), with why (`kernel_why`), all by runtime/kernels.py's
@@ -75,6 +131,8 @@ def attention_kernel(g: Graph, plan: Plan) -> None:
     for node in g.nodes(op="attention"):
         kernel = ATTENTION_KERNELS[plan.attention]
         why = kernel.refuses(_needs(node), plan.compute_dtype)
+        if why is None and node.attrs.context and not kernel.context:
+            why = f"{kernel.name}: {kernel.why_no_context}"
         if why is not None:
             kernel = _attention_fallback(node, plan)
         ins = g.inputs(node)
@@ -256,7 +314,9 @@ def loss(g: Graph, plan: Plan) -> None:
     vocab = head.type.size("vocab")
     vocab_shards = math.prod(mesh[a] for a in rules["vocab"])
     per_position = plan.microbatch * -(-vocab // vocab_shards) * 4
-    chunk = dict((k, v) for k, v, _ in g.attrs["config"])["seq_len"]
+    # Each context shard's positions go through the head apart (runtime/context.py).
+    context_shards = math.prod(mesh[a] for a in rules["seq"])
+    chunk = dict((k, v) for k, v, _ in g.attrs["config"])["seq_len"] // context_shards
     while chunk % 2 == 0 and chunk * per_position > plan.chip.hbm_bytes * LOSS_CHUNK_OF_HBM:
         chunk //= 2
     g.update(head, loss="fused", loss_chunk=chunk, loss_soft_cap=after[0].attrs.cap if after else None)
@@ -385,6 +445,7 @@ STEPS: tuple[Callable[[Graph, Plan], None], ...] = (
     target,
     mesh,
     shard,
+    context,
     attention_kernel,
     dot_kind,
     grouped_matmul,

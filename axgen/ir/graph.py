@@ -345,7 +345,6 @@ class Graph:
 
     def insert_on_input(self, node: Node, slot: str, op: Op, **extra_inputs: Node) -> Node:
         """Puts a new `op` node between `node` and the producer of its input `slot`; returns the new node."""
-        dag = self.regions[node.region].dag
         producer = self.inputs(node)[slot]
         new = self.add(
             node.region,
@@ -355,10 +354,15 @@ class Graph:
             op.params,
             **op.attrs,
         )
-        dag.remove_edge(producer.name, node.name, key=slot)
-        dag.add_edge(new.name, node.name, key=slot)
-        self._touch(node)
+        self.rewire(node, slot, new)
         return new
+
+    def rewire(self, node: Node, slot: str, producer: Node) -> None:
+        """Makes `producer` (of the same region) what `node` reads in its input `slot`."""
+        dag = self.regions[node.region].dag
+        dag.remove_edge(self.inputs(node)[slot].name, node.name, key=slot)
+        dag.add_edge(producer.name, node.name, key=slot)
+        self._touch(node)
 
     def _touch(self, node: Node) -> None:
         if self._pass and self._pass[0] not in node.passes:

@@ -106,6 +106,18 @@ class AttentionAttrs(Attrs):
     document_mask: str | None = None
     v_head_dim: int | None = None
     pad_v: bool = False
+    context: str | None = None
+    context_why: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContextOrderAttrs(Attrs):
+    """The lowering's, where the mesh splits each sequence over `shards` context shards (runtime/context.py):
+    `to="context"` puts a [batch, seq, ...] input into context order (shard i holds the chunks i and
+    2 * shards - 1 - i of the sequence's 2 * shards), `to="sequence"` puts the model's output back."""
+
+    to: str
+    shards: int
 
 
 @dataclass(frozen=True)
@@ -302,3 +314,4 @@ register_op("swiglu", ("gate", "up"), same_as("gate", "up"), "mlp")
 register_op("gelu", ("x",), same_as("x"), "mlp")
 register_op("add", ("x", "y"), same_as("x", "y"), "residual")
 register_op("scan", ("x", "positions", "segment_ids"), same_as("x"), "scan", ScanAttrs)
+register_op("context_order", ("x",), same_as("x"), "context", ContextOrderAttrs)

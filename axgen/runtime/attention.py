@@ -17,12 +17,26 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from axgen.runtime.context import attention_over_context, context_shards
 from axgen.runtime.kernels import ATTENTION_KERNELS
 from axgen.runtime.sharding import logical_to_mesh, shards
 
 
 def causal_attention(
-    q, k, v, segment_ids, *, implementation, block, rules, window, softcap, scale, sinks, interpret=False
+    q,
+    k,
+    v,
+    segment_ids,
+    *,
+    implementation,
+    block,
+    rules,
+    window,
+    softcap,
+    scale,
+    sinks,
+    context=None,
+    interpret=False,
 ):
     """Causal attention by the kernel `implementation` names in runtime/kernels.py's ATTENTION_KERNELS, which the
     program's lowering chose: "xla" (jax.nn.dot_product_attention), "xla_ops" (plain XLA ops), "splash" (Pallas,
@@ -31,19 +45,42 @@ def causal_attention(
     squashes each score to softcap * tanh(score / softcap) before the softmax; `sinks` [heads] is a learned logit
     per head that joins every query's softmax without a value (gpt-oss); the scores are q.k * `scale` (None:
     head_dim**-0.5). Each is None where the node has none. A kernel whose entry takes one head dim gets v
-    zero-padded to q/k's, its output sliced back. `interpret=True` (tests) runs splash in its interpreter, on
+    zero-padded to q/k's, its output sliced back. `context="all_gather"`: the sequence is in context order
+    (runtime/context.py) wherever `rules` split it over devices, and each device attends with its own queries to
+    the keys and values gathered over those devices. `interpret=True` (tests) runs splash in its interpreter, on
     CPU."""
     kernel = ATTENTION_KERNELS[implementation]
     options = {"window": window, "softcap": softcap, "scale": scale, "sinks": sinks}
     refused = kernel.refuses(frozenset(n for n, value in options.items() if value is not None), q.dtype.name)
     if refused:
         raise ValueError(f"attention by {implementation}: {refused}")
+    if context is not None and not kernel.context:
+        raise ValueError(f"attention by {implementation}: {kernel.why_no_context}")
+    by_kernel = _by_kernel
+    if context is not None and context_shards(rules, *q.shape[:2])[1] > 1:
+        by_kernel = _over_context
     if not kernel.v_head_dim and v.shape[-1] != q.shape[-1]:
         padded = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - v.shape[-1])))
-        return _by_kernel(q, k, padded, segment_ids, implementation, block, rules, interpret, options)[
+        return by_kernel(q, k, padded, segment_ids, implementation, block, rules, interpret, options)[
             ..., : v.shape[-1]
         ]
-    return _by_kernel(q, k, v, segment_ids, implementation, block, rules, interpret, options)
+    return by_kernel(q, k, v, segment_ids, implementation, block, rules, interpret, options)
+
+
+def _over_context(q, k, v, segment_ids, implementation, block, rules, interpret, options):
+    """A sequence split over context shards: each device's queries against the gathered keys, the mask built from
+    the positions' indices in the sequence (a dense [queries, keys] one: XLA's paths and cuDNN's)."""
+    window, softcap, scale, sinks = (options[name] for name in ("window", "softcap", "scale", "sinks"))
+
+    def attend(q, k, v, q_segments, kv_segments, q_index, kv_index, *sinks):
+        visible = visible_keys(q_segments, kv_segments, q_index, kv_index, window)
+        if implementation == "xla_ops":
+            return _attention_by_mask(
+                q, k, v, visible, softcap=softcap, scale=scale, sinks=sinks[0] if sinks else None
+            )
+        return jax.nn.dot_product_attention(q, k, v, mask=visible, scale=scale, implementation=implementation)
+
+    return attention_over_context(attend, q, k, v, segment_ids, rules, sinks)
 
 
 def _by_kernel(q, k, v, segment_ids, implementation, block, rules, interpret, options):
@@ -90,6 +127,16 @@ def document_mask(segment_ids):
     return (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]
 
 
+def visible_keys(q_segments, kv_segments, q_index, kv_index, window):
+    """[batch, 1, queries, keys]: which keys each query sees: those of its own document (by the segment ids
+    [batch, queries] and [batch, keys]) at its own position or before (by their indices in the sequence
+    [queries] and [keys]), and with a `window`, only the last `window` of those."""
+    earlier = kv_index[None, :] <= q_index[:, None]
+    if window is not None:
+        earlier = earlier & (kv_index[None, :] > q_index[:, None] - window)
+    return (q_segments[:, :, None] == kv_segments[:, None, :])[:, None] & earlier
+
+
 def soft_cap(x, cap):
     """cap * tanh(x / cap): x squashed smoothly into (-cap, cap), as Gemma 2 caps attention scores and logits."""
     return cap * jnp.tanh(x / cap)
@@ -98,6 +145,13 @@ def soft_cap(x, cap):
 def attention_in_xla_ops(q, k, v, segment_ids, *, window, softcap, scale, sinks):
     """Attention in plain XLA ops, every option included: the soft-capped or sunk attention that
     jax.nn.dot_product_attention cannot run."""
+    index = jnp.arange(q.shape[1])
+    visible = visible_keys(segment_ids, segment_ids, index, index, window)
+    return _attention_by_mask(q, k, v, visible, softcap=softcap, scale=scale, sinks=sinks)
+
+
+def _attention_by_mask(q, k, v, visible, *, softcap, scale, sinks):
+    """attention_in_xla_ops with the keys each query sees given: `visible` [batch, 1, queries, keys]."""
     batch, seq, heads, head_dim = q.shape
     kv_heads = k.shape[2]
     grouped = q.reshape(batch, seq, kv_heads, heads // kv_heads, head_dim)
@@ -105,10 +159,9 @@ def attention_in_xla_ops(q, k, v, segment_ids, *, window, softcap, scale, sinks)
     scores = jnp.einsum("bqkgd,bskd->bkgqs", grouped * scale, k).astype(jnp.float32)
     if softcap is not None:
         scores = soft_cap(scores, softcap)
-    query, key = jnp.arange(seq)[:, None], jnp.arange(seq)[None, :]
-    visible = key <= query if window is None else (key <= query) & (key > query - window)
-    visible = visible & document_mask(segment_ids)[:, :, None]  # [batch, kv_heads=1, group=1, seq, seq]
-    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(
+        visible[:, :, None], scores, jnp.finfo(jnp.float32).min
+    )  # [batch, 1, 1, queries, keys]
     if sinks is None:
         probs = jax.nn.softmax(scores, axis=-1)
     else:  # the sink is one more column of every query's scores; its probability is dropped with it

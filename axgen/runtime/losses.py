@@ -4,6 +4,7 @@ logits-sized buffers than the logits themselves, and which targets it trains."""
 import jax
 import jax.numpy as jnp
 
+from axgen.runtime.context import context_shards
 from axgen.runtime.sharding import constrain, logical_to_mesh, shards
 
 
@@ -69,7 +70,31 @@ def lm_head_cross_entropy(hidden, w, labels, *, chunk, rules, tied=False, soft_c
     the weight's gradient over the chunks, which are reduced across the batch's devices once, after the last chunk,
     into the weight's sharding. A reduction per chunk would move the float32 gradient `chunks` times a step (for
     Llama 3 8B on tpu-v5p-128, 188 of 286 GiB a chip a step; docs/maxtext.md). The price is the device's partial
-    gradient, [embed, vocab / vocab's shards] in float32, beside the gathered weight."""
+    gradient, [embed, vocab / vocab's shards] in float32, beside the gathered weight.
+
+    Where `rules` split the sequence over context shards (runtime/context.py), each shard's positions are rows of
+    their own, so no chunk spans devices."""
+    axes, count = context_shards(rules, *hidden.shape[:2])
+    if count > 1:
+        # [batch, seq, ...] -> [shards x batch, seq / shards, ...]: the shards lead the rows, as their devices do.
+        def as_rows(x):
+            x = x.reshape(x.shape[0], count, x.shape[1] // count, *x.shape[2:])
+            return jnp.swapaxes(x, 0, 1).reshape(-1, *x.shape[2:])
+
+        losses = _lm_head_cross_entropy(
+            as_rows(hidden),
+            w,
+            as_rows(labels),
+            chunk=chunk,
+            rules={**rules, "batch": (*axes, *rules["batch"]), "seq": ()},
+            tied=tied,
+            soft_cap=soft_cap,
+        )
+        return jnp.swapaxes(losses.reshape(count, *labels.shape[:1], -1), 0, 1).reshape(labels.shape)
+    return _lm_head_cross_entropy(hidden, w, labels, chunk=chunk, rules=rules, tied=tied, soft_cap=soft_cap)
+
+
+def _lm_head_cross_entropy(hidden, w, labels, *, chunk, rules, tied, soft_cap):
     batch, seq, _ = hidden.shape
     chunks = -(-seq // chunk)
     pad = chunks * chunk - seq

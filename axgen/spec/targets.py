@@ -10,8 +10,10 @@ from dataclasses import dataclass
 from axgen.spec.feature_configs import QUANTIZE_DTYPES, Remat
 from axgen.spec.validation import SpecNode, suggest
 
-# Outermost first: `model` is innermost so its collectives use the fastest links between neighbouring devices.
-MESH_AXES = ("data", "fsdp", "expert", "model")
+# Outermost first: `model` is innermost so its collectives use the fastest links between neighbouring devices, and
+# `context` (each sequence split into shards, runtime/context.py) next to it: every layer gathers keys and values
+# over it.
+MESH_AXES = ("data", "fsdp", "expert", "context", "model")
 ATTENTION_KERNELS = ("xla", "splash", "cudnn")
 # How a dropless MoE with its experts split over devices moves token copies: every token of the expert group to
 # every device (all_gather), or each copy only to its expert's device and back (all_to_all: the backend picks the
@@ -22,7 +24,7 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 
 @dataclass(frozen=True)
 class MeshRule(SpecNode):
-    """A regex over target names -> a mesh over `data, fsdp, expert, model` (-1: the devices left over) and the
+    """A regex over target names -> a mesh over `data, fsdp, expert, context, model` (-1: the devices left over) and the
     modifiers that go with it; a modifier left None keeps the backend's choice. Each backend tries its rules in
     order and the first match wins; a spec's `Model.mesh_rules` are tried before the backend's. On a multi-slice
     target (`tpu-v5e-256x2`) the mesh is one slice's and the slices multiply `data`.
