@@ -210,7 +210,7 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
         rule=rule,
         compute_dtype=rule.compute_dtype or family.compute_dtype,
         attention=attention,
-        attention_block=_attention_block(rule, attention, spec),
+        attention_block=_attention_block(rule, attention, spec, dict(mesh)["context"]),
         microbatch=microbatch,
         grad_accum_steps=per_device_batch // microbatch,
         flags_variable=family.flags_variable,
@@ -279,12 +279,12 @@ def _mesh_shape(rule: MeshRule, num_devices: int, slices: int, target: str) -> t
     return tuple((a, sizes[a]) for a in MESH_AXES)
 
 
-def _attention_block(rule: MeshRule, attention: str, spec: Model) -> int | None:
+def _attention_block(rule: MeshRule, attention: str, spec: Model, context: int) -> int | None:
     """A blocked kernel's (splash attention's) block length: the rule's, else the largest of 128, 256, 512 that
-    divides seq_len."""
+    divides the queries of one context shard (seq_len / context)."""
     if not ATTENTION_KERNELS[attention].blocked:
         return None
-    return rule.attention_block or math.gcd(spec.train.seq_len, 512)
+    return rule.attention_block or math.gcd(spec.train.seq_len // context, 512)
 
 
 def _check_attention(plan: Plan, family: Family, spec: Model) -> None:
@@ -293,11 +293,13 @@ def _check_attention(plan: Plan, family: Family, spec: Model) -> None:
             f"{plan.rule.origin}: MeshRule.attention={plan.attention!r} is not a kernel of target {plan.target} "
             f"({plan.chip.name} runs {', '.join(family.kernels)})"
         )
-    block = plan.attention_block
-    if block is not None and (spec.train.seq_len % block or block % 128):
+    block, context = plan.attention_block, dict(plan.mesh)["context"]
+    if block is not None and ((spec.train.seq_len // context) % block or block % 128):
+        shard = f" / context={context}" if context > 1 else ""
         raise SpecError(
-            f"{spec.train.origin}: Train.seq_len={spec.train.seq_len} is not a multiple of the {block}-long blocks "
-            f"of splash attention on target {plan.target} (set by {plan.rule.origin}; blocks are multiples of 128)"
+            f"{spec.train.origin}: Train.seq_len={spec.train.seq_len}{shard} is not a multiple of the {block}-long "
+            f"blocks of splash attention on target {plan.target} (set by {plan.rule.origin}; blocks are multiples "
+            "of 128)"
         )
 
 

@@ -131,8 +131,6 @@ def attention_kernel(g: Graph, plan: Plan) -> None:
     for node in g.nodes(op="attention"):
         kernel = ATTENTION_KERNELS[plan.attention]
         why = kernel.refuses(_needs(node), plan.compute_dtype)
-        if why is None and node.attrs.context and not kernel.context:
-            why = f"{kernel.name}: {kernel.why_no_context}"
         if why is not None:
             kernel = _attention_fallback(node, plan)
         ins = g.inputs(node)

@@ -8,16 +8,23 @@ Shapes: q [batch, seq, heads, head_dim], k [batch, seq, kv_heads, head_dim], v [
 position belongs to: a query sees keys of its own document only). The output has v's head dim.
 """
 
+import copy
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from axgen.runtime.context import attention_over_context, context_shards
+from axgen.runtime.context import (
+    attention_over_context,
+    context_shards,
+    gathered_in_sequence_order,
+    sequence_index,
+)
 from axgen.runtime.kernels import ATTENTION_KERNELS
 from axgen.runtime.sharding import logical_to_mesh, shards
 
@@ -54,8 +61,6 @@ def causal_attention(
     refused = kernel.refuses(frozenset(n for n, value in options.items() if value is not None), q.dtype.name)
     if refused:
         raise ValueError(f"attention by {implementation}: {refused}")
-    if context is not None and not kernel.context:
-        raise ValueError(f"attention by {implementation}: {kernel.why_no_context}")
     by_kernel = _by_kernel
     if context is not None and context_shards(rules, *q.shape[:2])[1] > 1:
         by_kernel = _over_context
@@ -69,11 +74,16 @@ def causal_attention(
 
 def _over_context(q, k, v, segment_ids, implementation, block, rules, interpret, options):
     """A sequence split over context shards: each device's queries against the gathered keys, the mask built from
-    the positions' indices in the sequence (a dense [queries, keys] one: XLA's paths and cuDNN's)."""
+    the positions' indices in the sequence (a dense [queries, keys] one on XLA's paths and cuDNN's; splash reads
+    the queries' indices itself)."""
+    if implementation == "splash":
+        return splash_attention(
+            q, k, v, segment_ids, block=block, rules=rules, interpret=interpret, context=True, **options
+        )
     window, softcap, scale, sinks = (options[name] for name in ("window", "softcap", "scale", "sinks"))
 
-    def attend(q, k, v, q_segments, kv_segments, q_index, kv_index, *sinks):
-        visible = visible_keys(q_segments, kv_segments, q_index, kv_index, window)
+    def attend(q, k, v, q_segments, kv_segments, q_index, *sinks):
+        visible = visible_keys(q_segments, kv_segments, q_index, jnp.arange(k.shape[1]), window)
         if implementation == "xla_ops":
             return _attention_by_mask(
                 q, k, v, visible, softcap=softcap, scale=scale, sinks=sinks[0] if sinks else None
@@ -172,13 +182,19 @@ def _attention_by_mask(q, k, v, visible, *, softcap, scale, sinks):
     return out.reshape(batch, seq, heads, v.shape[-1])
 
 
-def splash_attention(q, k, v, segment_ids, *, block, rules, window, softcap, scale, sinks, interpret):
+def splash_attention(
+    q, k, v, segment_ids, *, block, rules, window, softcap, scale, sinks, interpret, context=False
+):
     """The Pallas splash kernel, which skips the blocks the causal mask (and a window) hides, masks across documents
     by the segment ids and groups query heads over kv heads itself; q/k and v may have different head dims. Each
     device runs it on its own batch rows and heads, split as `rules` split the activations. `block`: the query and
-    key/value block length (at most the sequence). `interpret=True` runs the kernel's interpreter, so it can be
-    checked on CPU."""
+    key/value block length (at most the sequence). With `context`, a sequence the rules split over context shards
+    is in context order (runtime/context.py): each device runs its own queries against every key and value of its
+    rows, gathered in sequence order, and the kernel's mask reads each query's index in the sequence (its
+    `q_sequence`, split over the shards as the queries are: q_seq_shards), as MaxText's load-balanced mask does.
+    `interpret=True` runs the kernel's interpreter, so it can be checked on CPU."""
     batch, seq, heads, head_dim = q.shape
+    axes, count = context_shards(rules, batch, seq) if context else ((), 1)
     block = min(block, seq)
     block_sizes = splash.BlockSizes(
         block_q=block,
@@ -194,6 +210,9 @@ def splash_attention(q, k, v, segment_ids, *, block, rules, window, softcap, sca
         one_head = splash_mask.CausalMask(shape=(seq, seq))
     else:
         one_head = splash_mask.LocalMask(shape=(seq, seq), window_size=(window - 1, 0), offset=0)
+    if count > 1:
+        one_head = copy.copy(one_head)
+        one_head.q_sequence = sequence_index(seq, count).astype(np.int32)
     mask = splash_mask.MultiHeadMask([one_head] * heads)
     mesh = jax.sharding.get_abstract_mesh()
     q_spec = (
@@ -212,7 +231,7 @@ def splash_attention(q, k, v, segment_ids, *, block, rules, window, softcap, sca
         block_sizes=block_sizes,
         attn_logits_soft_cap=softcap,
         head_shards=head_shards,
-        q_seq_shards=1,
+        q_seq_shards=count,
         interpret=interpret,
     )
     scale = head_dim**-0.5 if scale is None else scale
@@ -220,12 +239,15 @@ def splash_attention(q, k, v, segment_ids, *, block, rules, window, softcap, sca
     def per_device(kernel, q, k, v, segment_ids, *sinks):
         # The kernel takes one sequence as [heads, seq, head_dim] and does not scale the scores itself; the sinks
         # [heads] are the same for every row of the batch.
+        kv_segments = segment_ids
+        if count > 1:
+            k, v, kv_segments = (gathered_in_sequence_order(x, axes, count) for x in (k, v, segment_ids))
         q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q * scale, k, v))
         options = {"sinks": sinks[0]} if sinks else {}
-        one_row = lambda q, k, v, ids: kernel(
-            q, k, v, segment_ids=splash.SegmentIds(q=ids, kv=ids), **options
+        one_row = lambda q, k, v, q_ids, kv_ids: kernel(
+            q, k, v, segment_ids=splash.SegmentIds(q=q_ids, kv=kv_ids), **options
         )
-        return jnp.swapaxes(jax.vmap(one_row)(q, k, v, segment_ids), 1, 2)
+        return jnp.swapaxes(jax.vmap(one_row)(q, k, v, segment_ids, kv_segments), 1, 2)
 
     with_sinks = () if sinks is None else (sinks,)
     if mesh.empty:
@@ -233,7 +255,7 @@ def splash_attention(q, k, v, segment_ids, *, block, rules, window, softcap, sca
     # The kernel's mask follows the heads' split; it reads the split off a sharding, which a shard_map's manual
     # axes (runtime.gradients' replicas) have none of.
     heads_split = NamedSharding(
-        jax.sharding.AbstractMesh(mesh.axis_sizes, mesh.axis_names), P(q_spec[2], None)
+        jax.sharding.AbstractMesh(mesh.axis_sizes, mesh.axis_names), P(q_spec[2], q_spec[1])
     )
     sinks_spec = () if sinks is None else (P(q_spec[2]),)
     return jax.shard_map(

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import PartitionSpec as P
+
 from axgen.runtime.sharding import logical_to_mesh, mesh_axes, shards
 
 
@@ -79,36 +81,49 @@ def _reordered(x, rules, to_context):
     return jax.shard_map(per_device, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)(x)
 
 
+def gathered_in_sequence_order(x, axes, count: int):
+    """Inside a shard_map over the context `axes`: every shard's x [batch, seq / count, ...] gathered into the whole
+    [batch, seq, ...] in sequence order."""
+    gathered = jax.lax.all_gather(x, axes, axis=1, tiled=True)
+    return gathered[:, np.argsort(sequence_index(gathered.shape[1], count))]
+
+
 def attention_over_context(attend, q, k, v, segment_ids, rules: dict, sinks=None):
-    """Attention of a sequence in context order: `attend(q, k, v, q_segments, kv_segments, q_index, kv_index,
-    sinks)` runs on each device with its own queries [batch, seq / c, heads, head_dim] and every key and value of
-    its rows, gathered over the context axes, each position's index in the sequence telling the causal mask (and a
-    window) which keys a query sees. Gathering costs each device the whole sequence's keys and values, which GQA
-    keeps small (Llama 3 8B at 128k tokens: 0.5 GiB a layer in bf16); a ring would hold two shards' worth but
-    pass c - 1 times. Batch rows and heads split as `rules` split the activations."""
+    """Attention of a sequence in context order: `attend(q, k, v, q_segments, kv_segments, q_index, sinks)` runs on
+    each device with its own queries [batch, seq / c, heads, head_dim], their indices in the sequence [seq / c],
+    and every key and value of its rows gathered over the context shards in sequence order. Gathering costs each
+    device the whole sequence's keys and values, which GQA keeps small (Llama 3 8B at 128k tokens: 0.5 GiB a layer
+    in bf16); a ring would hold two shards' worth but pass c - 1 times. Batch rows and heads split as `rules` split
+    the activations."""
     batch, seq = q.shape[:2]
     axes, count = context_shards(rules, batch, seq)
     mesh = jax.sharding.get_abstract_mesh()
-    q_spec = logical_to_mesh(rules, ("batch", "seq", "heads", "head_dim"), q.shape, mesh.shape)
-    kv_spec = logical_to_mesh(rules, ("batch", "seq", "kv_heads", "head_dim"), k.shape, mesh.shape)
-    if q_spec[2] != kv_spec[2] and k.shape[2] > 1:
-        # Query heads split where their kv heads do not: a device's query heads would not meet their kv heads.
-        q_spec = jax.sharding.PartitionSpec(q_spec[0], q_spec[1], None, None)
-        kv_spec = jax.sharding.PartitionSpec(kv_spec[0], kv_spec[1], None, None)
+    q_spec, kv_spec = attention_specs(rules, q.shape, k.shape)
     index = jnp.asarray(sequence_index(seq, count), jnp.int32)
-    rows = jax.sharding.PartitionSpec(q_spec[0], q_spec[1])
+    rows = P(q_spec[0], q_spec[1])
 
     def per_device(q, k, v, segment_ids, index, *sinks):
-        gather = lambda x, axis=1: jax.lax.all_gather(x, axes, axis=axis, tiled=True)  # noqa: E731
-        kv_segments, kv_index = gather(segment_ids), gather(index, axis=0)
-        return attend(q, gather(k), gather(v), segment_ids, kv_segments, index, kv_index, *sinks)
+        k, v, kv_segments = (gathered_in_sequence_order(x, axes, count) for x in (k, v, segment_ids))
+        return attend(q, k, v, segment_ids, kv_segments, index, *sinks)
 
     with_sinks = () if sinks is None else (sinks,)
-    sinks_spec = () if sinks is None else (jax.sharding.PartitionSpec(q_spec[2]),)
+    sinks_spec = () if sinks is None else (P(q_spec[2]),)
     return jax.shard_map(
         per_device,
         mesh=mesh,
-        in_specs=(q_spec, kv_spec, kv_spec, rows, jax.sharding.PartitionSpec(q_spec[1]), *sinks_spec),
+        in_specs=(q_spec, kv_spec, kv_spec, rows, P(q_spec[1]), *sinks_spec),
         out_specs=q_spec,
         check_vma=False,
     )(q, k, v, segment_ids, index, *with_sinks)
+
+
+def attention_specs(rules: dict, q_shape, kv_shape) -> tuple[P, P]:
+    """The PartitionSpecs of q [batch, seq, heads, head_dim] and of k and v [batch, seq, kv_heads, head_dim] on the
+    mesh being traced for, as `rules` split them; the heads whole where the query heads split and their kv heads
+    cannot (a device's query heads would not meet their kv heads)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    q_spec = logical_to_mesh(rules, ("batch", "seq", "heads", "head_dim"), q_shape, mesh.shape)
+    kv_spec = logical_to_mesh(rules, ("batch", "seq", "kv_heads", "head_dim"), kv_shape, mesh.shape)
+    if q_spec[2] != kv_spec[2] and kv_shape[2] > 1:
+        return P(q_spec[0], q_spec[1], None, None), P(kv_spec[0], kv_spec[1], None, None)
+    return q_spec, kv_spec

@@ -23,9 +23,9 @@ class AttentionKernel:
     padded channels' flops), how it keeps each query inside its document (`segment_ids` inside the kernel, or a
     `dense` [batch, 1, seq, seq] mask), whether it runs in blocks of the program's SPLASH_BLOCK, whether it needs
     its chip (then AXGEN_XLA_KERNELS=1, the tests' switch, swaps it for the first of ATTENTION_FALLBACKS that takes
-    what the program's attention needs), whether it runs a sequence split over context shards (runtime/context.py:
-    a shard's queries against every key, masked by their indices in the sequence), the custom call it compiles to
-    (a regex over the optimized HLO's call targets), and why it lacks what it lacks."""
+    what the program's attention needs), the custom call it compiles to (a regex over the optimized HLO's call
+    targets), and why it lacks what it lacks. Each runs a sequence split over context shards (runtime/context.py).
+    """
 
     name: str
     options: frozenset[str]
@@ -34,10 +34,8 @@ class AttentionKernel:
     document_mask: str
     blocked: bool = False
     chip_only: bool = False
-    context: bool = True
     custom_call: str | None = None
     why: str = ""
-    why_no_context: str = ""
 
     def refuses(self, needs: frozenset[str], dtype: str) -> str | None:
         """Why this kernel cannot run an attention that needs `needs` in `dtype`, else None."""
@@ -80,12 +78,7 @@ ATTENTION_KERNELS: dict[str, AttentionKernel] = {
             document_mask="segment_ids",
             blocked=True,
             chip_only=True,
-            context=False,
             custom_call="tpu_custom_call",
-            why_no_context=(
-                "it masks one whole [seq, seq] sequence here; a context shard's queries need a load-balanced mask"
-                " split by query shards, not built yet"
-            ),
         ),
         # cuDNN's fused attention has a sliding window and neither a soft-cap nor sinks: jax.nn.dot_product_attention
         # takes no sinks, and the logsumexp it returns (return_residual) takes no gradient in its cuDNN backward, so
