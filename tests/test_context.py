@@ -145,44 +145,48 @@ def packed_batch(documents):
     return tokens, jnp.asarray(segment_ids, jnp.int32), jnp.asarray(rng.random((16, 129)) < 0.9, jnp.int32)
 
 
-@pytest.mark.parametrize("documents", [True, False], ids=["packed", "one_document"])
-def test_context_4_trains_as_context_1_does(context_programs, documents):
-    """The loss and every gradient of a step accumulated over 2 passes (runtime.gradients), and the forward
-    logits, on context=4 equal those on one context shard within float32 noise."""
-    batch = packed_batch(documents)
+def test_context_4_trains_as_context_1_does(context_programs):
+    """The loss and every gradient of a step accumulated over 2 passes (runtime.gradients) on context=4 equal those
+    on one context shard within float32 noise, with documents packed into the rows and with one a row; so do the
+    forward logits. One compile of each program's step serves both batches."""
+    batches = {documents: packed_batch(documents) for documents in (True, False)}
     results = {}
     for name, module in context_programs.items():
         program = Program.from_module(module)
         mesh = program.make_mesh()
+        step = jax.jit(
+            functools.partial(
+                runtime.gradients,
+                module.loss_fn,
+                microbatch=module.MICROBATCH // 2,
+                specs=module.PARAMS,
+                rules=module.LOGICAL_AXIS_RULES,
+            )
+        )
         with jax.set_mesh(mesh):
             state = jax.device_put(program.init_state(jax.random.key(0)), program.state_shardings(mesh))
-
-            @jax.jit
-            def step(state, batch):
-                return runtime.gradients(
-                    module.loss_fn,
-                    state,
-                    batch,
-                    module.MICROBATCH // 2,
-                    module.PARAMS,
-                    module.LOGICAL_AXIS_RULES,
-                )
-
-            (loss, _), grads = step(state, batch)
-            logits = jax.jit(module.forward)(state["params"], batch[0][:, :-1], batch[1][:, :-1])
-        results[name] = float(loss), jax.tree.map(np.asarray, grads), np.asarray(logits)
-    (loss, grads, logits), (split_loss, split_grads, split_logits) = results["whole"], results["split"]
-    assert module.MESH_SHAPE["context"] == 4 and "context_segment_ids" in inspect.getsource(
-        module.hidden_with_aux
-    )
-    np.testing.assert_allclose(split_loss, loss, rtol=1e-6)
-    np.testing.assert_allclose(split_logits, logits, atol=1e-5)
-    for (path, grad), split_grad in zip(
-        jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(split_grads)
-    ):
-        np.testing.assert_allclose(
-            split_grad, grad, atol=1e-6 * np.abs(grad).max(), err_msg=jax.tree_util.keystr(path)
-        )
+            for documents, batch in batches.items():
+                (loss, _), grads = step(state, batch=batch)
+                results[name, documents] = float(loss), jax.tree.map(np.asarray, grads)
+            tokens, segment_ids, _ = batches[True]
+            results[name, "logits"] = np.asarray(
+                jax.jit(module.forward)(state["params"], tokens[:, :-1], segment_ids[:, :-1])
+            )
+    assert module.MESH_SHAPE["context"] == 4
+    assert "context_segment_ids" in inspect.getsource(module.hidden_with_aux)
+    np.testing.assert_allclose(results["split", "logits"], results["whole", "logits"], atol=1e-5)
+    for documents in batches:
+        (loss, grads), (split_loss, split_grads) = results["whole", documents], results["split", documents]
+        np.testing.assert_allclose(split_loss, loss, rtol=1e-6)
+        for (path, grad), split_grad in zip(
+            jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(split_grads)
+        ):
+            np.testing.assert_allclose(
+                split_grad,
+                grad,
+                atol=1e-6 * np.abs(grad).max(),
+                err_msg=f"{jax.tree_util.keystr(path)}, documents packed: {documents}",
+            )
 
 
 def test_the_lowering_shows_the_split_and_refuses_what_it_cannot_split(tmp_path, capsys):

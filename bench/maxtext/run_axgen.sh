@@ -3,7 +3,8 @@
 # the target's chips via libtpu's topology description), printing axgen's own plan for the row and its peak per chip.
 #
 # Usage: run_axgen.sh MODEL TARGET          e.g.  run_axgen.sh llama2-7b tpu-v5e-256
-#   MODEL: llama2-7b | llama3-8b | mixtral-8x7b (-> axgen/specs/<model with _>.py); TARGET: tpu-v5e-256, tpu-v5e-256x2, ...
+#   MODEL: llama2-7b | llama3-8b | mixtral-8x7b (-> axgen/specs/<model with _>.py), or a spec file
+#          (bench/maxtext/specs/llama3_1_8b_128k.py: the long-context rows); TARGET: tpu-v5e-256, tpu-v5e-256x2, ...
 # Env: AXGEN_ROOT [the current directory: run from the project root] (checkout with .venv/bin/axgen; nothing is written there)
 #      WORK [${TMPDIR:-/tmp}/maxtext-aot]  (logs go to $WORK/logs/axgen_<model>_<target>.{json,log})
 #      TIMEOUT [1800] seconds for the compile
@@ -17,7 +18,8 @@ MODEL=${1:?model, e.g. llama2-7b}; TARGET=${2:?target, e.g. tpu-v5e-256}
 AXGEN_ROOT=${AXGEN_ROOT:-$PWD}
 WORK=${WORK:-${TMPDIR:-/tmp}/maxtext-aot}; mkdir -p "$WORK/logs"
 TIMEOUT=${TIMEOUT:-1800}
-SPEC=$AXGEN_ROOT/axgen/specs/${MODEL//-/_}.py
+if [[ $MODEL == *.py ]]; then SPEC=$(cd "$(dirname "$MODEL")" && pwd)/$(basename "$MODEL"); MODEL=$(basename "$MODEL" .py)
+else SPEC=$AXGEN_ROOT/axgen/specs/${MODEL//-/_}.py; fi
 PY=$AXGEN_ROOT/.venv/bin/python
 [[ -f $SPEC ]] || { echo "no spec $SPEC" >&2; exit 2; }
 [[ -x $AXGEN_ROOT/.venv/bin/axgen ]] || { echo "no $AXGEN_ROOT/.venv/bin/axgen (build the project venv first)" >&2; exit 2; }
