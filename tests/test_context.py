@@ -190,8 +190,8 @@ def test_context_4_trains_as_context_1_does(context_programs):
 
 
 def test_the_lowering_shows_the_split_and_refuses_what_it_cannot_split(tmp_path, capsys):
-    """`axgen graph --after lowering` shows the inputs put into context order, the head's input put back and each
-    attention's gather, splash's as XLA's. A
+    """`axgen graph --after lowering` shows the inputs put into context order, the logits put back, the head whose
+    fused loss takes the hidden states in context order, and each attention's gather, splash's as XLA's. A
     context degree that does not cut seq_len into twice as many chunks, or routed experts, are refused at build
     time naming the rule and the value, with nothing written."""
     spec = spec_file(tmp_path, "split", {"fsdp": 2, "context": 4}, seq_len=1024)
@@ -199,9 +199,9 @@ def test_the_lowering_shows_the_split_and_refuses_what_it_cannot_split(tmp_path,
     graph = capsys.readouterr().out
     for node in ("context_tokens", "context_positions", "context_segment_ids"):
         assert f"{node} = context_order(" in graph and "to=context shards=4" in graph
-    assert "final_norm_in_order = context_order(x=final_norm) to=sequence shards=4" in graph
+    assert "logits_in_order = context_order(x=logits) to=sequence shards=4" in graph
     assert graph.count("context=all_gather") == 1  # one attention node in the block
-    assert "logits = lm_head(x=final_norm_in_order)" in graph
+    assert "logits = lm_head(x=final_norm)" in graph and "loss=fused context=True" in graph
     source = build(spec, "tpu-v5e-8").source
     assert "implementation=ATTENTION_IMPL" in source and 'context="all_gather"' in source
     assert 'ATTENTION_IMPL = "xla" if os.environ.get("AXGEN_XLA_KERNELS") == "1" else "splash"' in source

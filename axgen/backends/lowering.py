@@ -81,9 +81,10 @@ def _context_why(g: Graph, node: Node) -> str:
 
 def context(g: Graph, plan: Plan) -> None:
     """Where the mesh splits each sequence over context shards: the model's inputs go into context order (each
-    shard holds a front and a back chunk, runtime/context.py) and the output head's input back into sequence
-    order, between which every op but attention is per position; each attention gathers its keys and values
-    over the shards (`context`, with why)."""
+    shard holds a front and a back chunk, runtime/context.py) and its output back into sequence order, between
+    which every op but attention is per position; each attention gathers its keys and values over the shards
+    (`context`, with why), and the output head is marked (`context`) for the fused loss, which takes the hidden
+    states in context order."""
     rules, mesh = dict(plan.logical_axis_rules), dict(plan.mesh)
     shards = math.prod(mesh[a] for a in rules["seq"])
     if shards == 1:
@@ -107,19 +108,22 @@ def context(g: Graph, plan: Plan) -> None:
                     shards=shards,
                 )
             g.rewire(node, slot, reordered[producer.name])
-    (head,) = g.nodes(op="lm_head")
-    hidden = g.inputs(head)["x"]
+    # The model's output (its logits) goes back into sequence order; a training step's fused loss keeps the hidden
+    # states where they are and moves the labels to them and the losses back, a few bytes a position.
+    output = g.output("main")
     in_order = g.add(
         "main",
-        f"{hidden.name}_in_order",
+        f"{output.name}_in_order",
         "context_order",
-        {"x": hidden},
+        {"x": output},
         source=source,
         label=label,
         to="sequence",
         shards=shards,
     )
-    g.rewire(head, "x", in_order)
+    g.set_output(in_order)
+    (head,) = g.nodes(op="lm_head")
+    g.update(head, context=True)
     for node in g.nodes(op="attention"):
         g.update(node, context="all_gather", context_why=_context_why(g, node))
 
@@ -301,7 +305,7 @@ def loss(g: Graph, plan: Plan) -> None:
     longest chunk, halving from the whole sequence, whose float32 logits per device fit LOSS_CHUNK_OF_HBM. A
     quantized head keeps its own dot and the loss takes its logits (runtime.cross_entropy)."""
     (head,) = g.nodes(op="lm_head")
-    after = [n for n in g.nodes(region="main") if n.op != "input"]
+    after = [n for n in g.nodes(region="main") if n.op not in ("input", "context_order")]
     after = after[after.index(head) + 1 :]
     if [n.op for n in after] not in ([], ["softcap"]):  # the fused loss knows the cap and nothing else
         raise GraphError(f"the loss cannot follow the output head through {[str(n) for n in after]}")

@@ -248,6 +248,7 @@ def _fused_loss(env, graph: Graph) -> dict:
             "tied": head.attrs.tied,
             "chunk": head.attrs.loss_chunk,
             "soft_cap": head.attrs.loss_soft_cap,
+            "context": head.attrs.context,
         },
         "trunk_lines": _lines(env, graph, "main", param_root="params", nodes=nodes[:split]),
         "head_lines": _lines(env, graph, "main", param_root="params", nodes=nodes[split:]),

@@ -78,6 +78,7 @@ class LmHeadAttrs(DotAttrs):
     objective: str | None = None
     reference: str | None = None
     loss: str | None = None
+    context: bool = False
     loss_chunk: int | None = None
     loss_soft_cap: float | None = None
 
@@ -114,7 +115,8 @@ class AttentionAttrs(Attrs):
 class ContextOrderAttrs(Attrs):
     """The lowering's, where the mesh splits each sequence over `shards` context shards (runtime/context.py):
     `to="context"` puts a [batch, seq, ...] input into context order (shard i holds the chunks i and
-    2 * shards - 1 - i of the sequence's 2 * shards), `to="sequence"` puts the model's output back."""
+    2 * shards - 1 - i of the sequence's 2 * shards), `to="sequence"` puts the model's output (its logits) back.
+    """
 
     to: str
     shards: int

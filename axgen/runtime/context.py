@@ -85,7 +85,12 @@ def gathered_in_sequence_order(x, axes, count: int):
     """Inside a shard_map over the context `axes`: every shard's x [batch, seq / count, ...] gathered into the whole
     [batch, seq, ...] in sequence order."""
     gathered = jax.lax.all_gather(x, axes, axis=1, tiled=True)
-    return gathered[:, np.argsort(sequence_index(gathered.shape[1], count))]
+    # Shard i's front chunk is chunk i of the sequence, its back chunk 2 * count - 1 - i: the fronts in shard order,
+    # then the backs in reverse. Slices and a reverse, not a gather, so the gradient is their transpose and no
+    # scatter (which XLA pads).
+    chunks = gathered.reshape(x.shape[0], count, 2, -1, *x.shape[2:])
+    in_order = jnp.concatenate([chunks[:, :, 0], jnp.flip(chunks[:, :, 1], axis=1)], axis=1)
+    return in_order.reshape(gathered.shape)
 
 
 def attention_over_context(attend, q, k, v, segment_ids, rules: dict, sinks=None):

@@ -12,6 +12,8 @@ spec = llama3.replace(
     name="llama3.1-8b-128k",
     features=[F.rope(theta=500_000.0, scaling=scaling)],
     train=llama3.train.replace(seq_len=131_072, global_batch=8),
-    mesh_rules=[MeshRule("tpu-v5p-128", {"fsdp": 8, "context": 16}, why="128k tokens: each sequence over 16 chips")],
+    mesh_rules=[
+        MeshRule("tpu-v5p-128", {"fsdp": 8, "context": 16}, why="128k tokens: each sequence over 16 chips")
+    ],
     targets=["tpu-v5p-128"],
 )

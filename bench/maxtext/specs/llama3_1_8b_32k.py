@@ -12,6 +12,8 @@ spec = llama3.replace(
     name="llama3.1-8b-32k",
     features=[F.rope(theta=500_000.0, scaling=scaling)],
     train=llama3.train.replace(seq_len=32_768, global_batch=32),
-    mesh_rules=[MeshRule("tpu-v5p-128", {"fsdp": 32, "context": 4}, why="32k tokens: each sequence over 4 chips")],
+    mesh_rules=[
+        MeshRule("tpu-v5p-128", {"fsdp": 32, "context": 4}, why="32k tokens: each sequence over 4 chips")
+    ],
     targets=["tpu-v5p-128"],
 )
