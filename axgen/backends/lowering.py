@@ -89,38 +89,32 @@ def context(g: Graph, plan: Plan) -> None:
     shards = math.prod(mesh[a] for a in rules["seq"])
     if shards == 1:
         return
-    source = plan.rule.provenance
-    label = f"context parallelism: {shards} shards, each a front and a back chunk of the sequence"
-    reordered: dict[str, Node] = {}
+
+    def reordered(x: Node, name: str, to: str) -> Node:
+        label = f"context parallelism: {shards} shards, each a front and a back chunk of the sequence"
+        return g.add(
+            "main",
+            name,
+            "context_order",
+            {"x": x},
+            source=plan.rule.provenance,
+            label=label,
+            to=to,
+            shards=shards,
+        )
+
+    in_context_order: dict[str, Node] = {}
     for node in list(g.nodes(region="main")):
         for slot, producer in g.inputs(node).items():
             if producer.op not in ("input", "positions") or node.op == "positions":
                 continue
-            if producer.name not in reordered:
-                reordered[producer.name] = g.add(
-                    "main",
-                    f"context_{producer.name}",
-                    "context_order",
-                    {"x": producer},
-                    source=source,
-                    label=label,
-                    to="context",
-                    shards=shards,
-                )
-            g.rewire(node, slot, reordered[producer.name])
+            if producer.name not in in_context_order:
+                in_context_order[producer.name] = reordered(producer, f"context_{producer.name}", "context")
+            g.rewire(node, slot, in_context_order[producer.name])
     # The model's output (its logits) goes back into sequence order; a training step's fused loss keeps the hidden
     # states where they are and moves the labels to them and the losses back, a few bytes a position.
     output = g.output("main")
-    in_order = g.add(
-        "main",
-        f"{output.name}_in_order",
-        "context_order",
-        {"x": output},
-        source=source,
-        label=label,
-        to="sequence",
-        shards=shards,
-    )
+    in_order = reordered(output, f"{output.name}_in_order", "sequence")
     g.set_output(in_order)
     (head,) = g.nodes(op="lm_head")
     g.update(head, context=True)
