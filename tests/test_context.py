@@ -17,11 +17,12 @@ from axgen.backends import plan_for
 from axgen.build import build
 from axgen.cli import main as axgen
 from axgen.files import write_atomically
-from axgen.interop import load_program
+from axgen.interop import hf_to_params, load_program
 from axgen.loader import load_spec
 from axgen.runtime.attention import causal_attention
 from axgen.runtime.context import sequence_index
 from axgen.runtime.program import Program
+from tests.conftest import ROOT
 
 AXES = ("data", "fsdp", "expert", "context", "model")
 
@@ -236,3 +237,27 @@ def test_the_planner_tries_context_splits_for_long_sequences_only(tmp_path):
         meshes = planner._meshes(spec, plan_for(spec, "gpu-h100-8"))
         contexts = {dict(mesh)["context"] for mesh in meshes}
         assert contexts == ({1, 2, 4, 8} if expect_context else {1}), contexts
+
+
+@pytest.mark.parametrize("name", ["hf_gemma2", "hf_gemma3"])
+def test_gemma_over_four_context_shards_gives_transformers_logits(name, tmp_path):
+    """The tiny Gemma 2 and Gemma 3 of tests/fixtures (windowed and global layers, soft-capped scores and logits,
+    Gemma 3's grouped scan and q/k norms), their 24 tokens over context=4 (8 chunks of 3) x model=2: the forward's
+    logits are HF transformers' (the fixtures' own, computed with transformers), as on one device."""
+    fixture = np.load(ROOT / f"tests/fixtures/{name}.npz")
+    spec = tmp_path / f"{name}_context.py"
+    spec.write_text(
+        f"from tests.fixtures.{name}_spec import spec as tiny\nfrom axgen.spec import MeshRule\n"
+        "spec = tiny.replace(mesh_rules=[MeshRule('cpu-8', {'context': 4, 'model': 2}, why='test')],"
+        " targets=['cpu-8'])\n"
+    )
+    built = build(spec, "cpu-8")
+    assert 'context="all_gather"' in built.source
+    out = tmp_path / f"{name}.py"
+    write_atomically(out, built.source)
+    module = load_program(out)
+    state_dict = {k: fixture[k] for k in fixture.files if k.startswith(("model.", "lm_head."))}
+    params = hf_to_params(state_dict, built.spec)
+    with jax.set_mesh(Program.from_module(module).make_mesh()):
+        logits = jax.jit(module.forward)(params, jnp.asarray(fixture["input_ids"]))
+    np.testing.assert_allclose(np.asarray(logits), fixture["logits"], atol=1e-4, rtol=1e-4)
