@@ -191,7 +191,7 @@ def test_context_4_trains_as_context_1_does(context_programs):
 def test_the_lowering_shows_the_split_and_refuses_what_it_cannot_split(tmp_path, capsys):
     """`axgen graph --after lowering` shows the inputs put into context order, the logits put back, the head whose
     fused loss takes the hidden states in context order, and each attention's gather, splash's as XLA's. A
-    context degree that does not cut seq_len into twice as many chunks, or routed experts, are refused at build
+    context degree that does not cut seq_len into twice as many chunks, or experts with a capacity per sequence, are refused at build
     time naming the rule and the value, with nothing written."""
     spec = spec_file(tmp_path, "split", {"fsdp": 2, "context": 4}, seq_len=1024)
     assert axgen(["graph", str(spec), "--target", "cpu-8", "--after", "lowering"]) == 0
@@ -206,23 +206,13 @@ def test_the_lowering_shows_the_split_and_refuses_what_it_cannot_split(tmp_path,
     assert 'ATTENTION_IMPL = "xla" if os.environ.get("AXGEN_XLA_KERNELS") == "1" else "splash"' in source
     plain = build(spec_file(tmp_path, "plain", {"fsdp": 8}), "cpu-8").source
     assert "context_order" not in plain and "context=" not in plain.split("MESH_SHAPE")[1]
-    for name, mesh, base, message in [
-        (
-            "uneven",
-            {"context": 8},
-            "llama_tiny",
-            "context=8 (pattern 'cpu-8|tpu-v5e-8|gpu-h100-8') does not cut",
-        ),
-        (
-            "moe",
-            {"context": 2, "fsdp": 4},
-            "moe_tiny",
-            "context parallelism with routed experts is not built yet",
-        ),
+    uneven = spec_file(tmp_path, "uneven", {"context": 8}, seq_len=120)
+    capacity = moe_spec(tmp_path, "capacity", {"context": 2, "fsdp": 4}, capacity_factor=1.25)
+    for bad, message in [
+        (uneven, "context=8 (pattern 'cpu-8|tpu-v5e-8|gpu-h100-8') does not cut Train.seq_len=120 into 16"),
+        (capacity, "MoE.capacity_factor=1.25: a capacity per sequence keeps its first tokens"),
     ]:
-        out = tmp_path / f"{name}.py.out"
-        seq_len = 120 if name == "uneven" else 128
-        bad = spec_file(tmp_path, name, mesh, seq_len=seq_len, base=base)
+        out = tmp_path / f"{bad.stem}.py.out"
         assert axgen(["build", str(bad), "--target", "cpu-8", "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
@@ -230,8 +220,8 @@ def test_the_lowering_shows_the_split_and_refuses_what_it_cannot_split(tmp_path,
 
 
 def test_the_planner_tries_context_splits_for_long_sequences_only(tmp_path):
-    """`axgen plan` searches context shards from LONG_CONTEXT tokens on, never with routed experts, and only
-    where they cut the sequence evenly."""
+    """`axgen plan` searches context shards from LONG_CONTEXT tokens on, and only where they cut the sequence
+    evenly."""
     for seq_len, base, expect_context in [(32_768, "llama_tiny", True), (4096, "llama_tiny", False)]:
         spec = load_spec(spec_file(tmp_path, f"long_{seq_len}", {"fsdp": -1}, seq_len=seq_len, base=base))
         meshes = planner._meshes(spec, plan_for(spec, "gpu-h100-8"))
@@ -261,3 +251,66 @@ def test_gemma_over_four_context_shards_gives_transformers_logits(name, tmp_path
     with jax.set_mesh(Program.from_module(module).make_mesh()):
         logits = jax.jit(module.forward)(params, jnp.asarray(fixture["input_ids"]))
     np.testing.assert_allclose(np.asarray(logits), fixture["logits"], atol=1e-4, rtol=1e-4)
+
+
+def moe_spec(tmp_path, name, mesh, **routing):
+    """moe_tiny with its experts split 2 ways on `mesh`, its routing's fields replaced by `routing`."""
+    path = tmp_path / f"{name}.py"
+    path.write_text(
+        "from axgen.spec import MeshRule\nfrom axgen.specs.moe_tiny import spec as moe\n"
+        f"feature = moe.feature('moe').replace(**{routing!r})\n"
+        "spec = moe.replace(features=[feature if f.pass_name == 'moe' else f for f in moe.features],"
+        f" mesh_rules=[MeshRule('cpu-8', {mesh!r}, why='test')])\n"
+    )
+    return path
+
+
+# About 45 s a case on 2 cores (two MoE programs compiled with their gradients): DeepSeek-V3's routing, which
+# has every sequence-wide statistic, in the quick tier; Mixtral's in the slow one.
+@pytest.mark.parametrize(
+    "routing",
+    [
+        pytest.param({}, marks=pytest.mark.slow),
+        dict(
+            num_experts=8,
+            scoring="sigmoid",
+            balance_bias_rate=1e-3,
+            n_group=4,
+            topk_group=2,
+            group_score="top2_sum",
+            seq_aux_loss_weight=0.01,
+        ),
+    ],
+    ids=["mixtral", "deepseek_v3"],
+)
+def test_dropless_experts_over_context_shards_route_as_over_whole_sequences(tmp_path, routing):
+    """moe_tiny's dropless experts (split over expert=2, tokens all-gathered in the expert group) with each
+    sequence over context=2 give context=1's loss, auxiliary losses (load balance, z-loss; with DeepSeek-V3's
+    routing the sequence-wise balance loss, whose per-sequence means span the shards) and gradients, the
+    correction bias's loads included."""
+    results = {}
+    meshes = [
+        ("whole", {"data": 2, "fsdp": 2, "expert": 2}),
+        ("split", {"data": 2, "context": 2, "expert": 2}),
+    ]
+    for name, mesh in meshes:
+        out = tmp_path / f"moe_{name}.py"
+        write_atomically(out, build(moe_spec(tmp_path, name, mesh, **routing), "cpu-8").source)
+        module = load_program(out)
+        program = Program.from_module(module)
+        mesh = program.make_mesh()
+        tokens, segment_ids, loss_mask = packed_batch(True)
+        with jax.set_mesh(mesh):
+            params = jax.device_put(module.init_params(jax.random.key(0)), program.param_shardings(mesh))
+            grad = jax.jit(jax.value_and_grad(module.loss_fn, has_aux=True))
+            (loss, metrics), grads = grad(params, tokens, segment_ids, loss_mask)
+        results[name] = loss, metrics, jax.tree.map(np.asarray, grads)
+    (loss, metrics, grads), (split_loss, split_metrics, split_grads) = results["whole"], results["split"]
+    assert "seq_balance_loss" in metrics or not routing
+    np.testing.assert_allclose(split_loss, loss, rtol=1e-6)
+    for name in metrics:
+        np.testing.assert_allclose(split_metrics[name], metrics[name], rtol=1e-5, err_msg=name)
+    for (path, g), split_g in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(split_grads)):
+        np.testing.assert_allclose(
+            split_g, g, atol=1e-6 * np.abs(g).max() + 1e-9, err_msg=jax.tree_util.keystr(path)
+        )

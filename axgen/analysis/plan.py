@@ -287,13 +287,14 @@ def _needs_no_more(compiled: tuple, mesh: tuple) -> bool:
 
 def _meshes(spec: Model, plan: Plan) -> list[tuple[tuple[str, int], ...]]:
     """Splits of one slice's devices: model and expert parallelism where the model's widths divide, data
-    parallelism over a few groups, context parallelism for long sequences (without routed experts, which route
-    whole sequences), fsdp over the rest; the target's own rule first."""
+    parallelism over a few groups, context parallelism for long sequences (not with experts of a capacity per
+    sequence), fsdp over the rest; the target's own rule first."""
     per_slice, seq_len = plan.num_devices // plan.num_slices, spec.train.seq_len
     attention, moe = spec.decoder.attention, spec.feature("moe")
     widths = (attention.num_heads, attention.num_kv_heads, spec.decoder.mlp.hidden_dim, spec.vocab_size)
     experts = (1, 2, 4, 8) if moe else (1,)
-    contexts = [c for c in CONTEXT_SPLITS if c == 1 or (seq_len >= LONG_CONTEXT and not moe)]
+    capacity = moe is not None and moe.capacity_factor is not None
+    contexts = [c for c in CONTEXT_SPLITS if c == 1 or (seq_len >= LONG_CONTEXT and not capacity)]
     found = [own_candidate(spec, plan).mesh]
     for model, expert, data, context in itertools.product(MODEL_SPLITS, experts, DATA_SPLITS, contexts):
         if per_slice % (model * expert * data * context) or any(w % model for w in widths):

@@ -238,11 +238,12 @@ def _check_context(plan: Plan, spec: Model) -> None:
     """A sequence split over `context` shards is cut into twice as many equal chunks (runtime/context.py)."""
     context = dict(plan.mesh)["context"]
     moe = spec.feature("moe")
-    if context > 1 and moe is not None:
+    if context > 1 and moe is not None and moe.capacity_factor is not None:
         raise SpecError(
             f"{plan.rule.origin}: MeshRule.mesh context={context} (pattern {plan.rule.pattern!r}) splits sequences, "
-            f"and the routed experts of {moe.origin} route whole sequences on each device (their balance losses and "
-            "capacity are per sequence): context parallelism with routed experts is not built yet"
+            f"and the experts of {moe.origin} have MoE.capacity_factor={moe.capacity_factor}: a capacity per "
+            "sequence keeps its first tokens, which a split sequence no longer holds in order; use dropless "
+            "routing (capacity_factor=None) with context parallelism"
         )
     if context > 1 and spec.train.seq_len % (2 * context):
         raise SpecError(

@@ -91,7 +91,7 @@ def _top_k_corrected_backward(routing, batch_axes, saved, cotangents):
 top_k_corrected.defvjp(_top_k_corrected_forward, _top_k_corrected_backward)
 
 
-def route(router_logits, routing: Routing, batch_axes=None, correction_bias=None):
+def route(router_logits, routing: Routing, batch_axes=None, correction_bias=None, sequence_axes=None):
     """Each token's experts and their weights [..., top_k] as `routing` says, scores in float32, and the auxiliary
     losses: the Switch Transformer load balance num_experts * sum_e(f_e * p_e), f_e = top-k choices of expert e per
     token, p_e = its mean probability (top_k when perfectly balanced), and the ST-MoE router z-loss
@@ -100,7 +100,8 @@ def route(router_logits, routing: Routing, batch_axes=None, correction_bias=None
     `correction_bias` [experts] (DeepSeek-V3) joins the scores to choose the experts and weights none
     (top_k_corrected). With `routing.seq_balance_loss`, DeepSeek-V3's sequence-wise balance loss is the same product
     per sequence (the rows of the last axis but one), with f_e a fraction of the sequence's tokens, times
-    num_experts / top_k, averaged over the sequences."""
+    num_experts / top_k, averaged over the sequences; where each sequence is split over the mesh axes
+    `sequence_axes` (context shards, which `batch_axes` include too), its means are the shards' mean."""
     top_k = routing.top_k
     logits = router_logits.astype(jnp.float32)
     if routing.scoring == "sigmoid":
@@ -133,8 +134,15 @@ def route(router_logits, routing: Routing, batch_axes=None, correction_bias=None
     z_loss = token_mean(jax.nn.logsumexp(logits, axis=-1) ** 2)
     losses = {"load_balance_loss": load_balance, "router_z_loss": z_loss}
     if routing.seq_balance_loss:
-        per_sequence = num_experts / top_k * jnp.sum(choices.mean(axis=-2) * probs.mean(axis=-2), axis=-1)
-        seq_balance = jax.lax.pmean(per_sequence.mean(), batch_axes) if batch_axes else per_sequence.mean()
+
+        def sequence_mean(x):
+            mean = x.mean(axis=-2)
+            return jax.lax.pmean(mean, sequence_axes) if sequence_axes else mean
+
+        per_sequence = num_experts / top_k * jnp.sum(sequence_mean(choices) * sequence_mean(probs), axis=-1)
+        # Each sequence's loss is the same on all of its context shards: the mean over sequences is over the rest.
+        rows_axes = tuple(a for a in batch_axes or () if a not in (sequence_axes or ()))
+        seq_balance = jax.lax.pmean(per_sequence.mean(), rows_axes) if rows_axes else per_sequence.mean()
         losses["seq_balance_loss"] = seq_balance
     return weights, experts, losses
 
@@ -326,9 +334,11 @@ def moe_dropless(
         )
     if rules is None:
         raise ValueError("moe_dropless on a mesh needs the program's rules (LOGICAL_AXIS_RULES) to split by")
-    (batch,) = logical_to_mesh(rules, ("batch",), x.shape, mesh.shape)
+    # Rows, and positions where the sequence is split over context shards (runtime/context.py): each device routes
+    # its own tokens, and the routing's means run over every device that holds tokens.
+    batch, seq = logical_to_mesh(rules, ("batch", "seq"), x.shape[:2], mesh.shape)
     expert, mlp = logical_to_mesh(rules, ("expert", "mlp"), (w_up.shape[0], w_up.shape[-1]), mesh.shape)
-    rows, w_in, w_out = P(batch), P(expert, None, mlp), P(expert, mlp, None)
+    rows, w_in, w_out = P(batch, seq), P(expert, None, mlp), P(expert, mlp, None)
     # The optional inputs travel only where given: the correction bias whole, the biases split with their weights.
     optional, optional_specs = {}, {}
     if correction_bias is not None:
@@ -344,7 +354,8 @@ def moe_dropless(
             w_gate,
             w_up,
             w_down,
-            batch_axes=batch,
+            batch_axes=(*mesh_axes(batch), *mesh_axes(seq)) or None,
+            sequence_axes=mesh_axes(seq) or None,
             expert_axes=expert,
             mlp_axes=mlp,
             **optional,
@@ -371,6 +382,7 @@ def _moe_dropless_on_device(
     dispatch,
     receive_capacity=None,
     batch_axes=None,
+    sequence_axes=None,
     expert_axes=None,
     mlp_axes=None,
     correction_bias=None,
@@ -383,7 +395,7 @@ def _moe_dropless_on_device(
     the devices the tokens came from; with `dispatch` other than all_gather, the copies travel to their experts'
     devices and back instead (`_experts_by_all_to_all`). With the hidden units split over `mlp_axes`, the partial
     outputs of the down projection are summed over them."""
-    weights, chosen, aux = route(router_logits, routing, batch_axes, correction_bias)
+    weights, chosen, aux = route(router_logits, routing, batch_axes, correction_bias, sequence_axes)
     tokens = x.reshape(-1, x.shape[-1])  # [tokens, embed]
     weights, chosen = weights.reshape(-1), chosen.reshape(-1)  # [tokens * top_k]
     num_experts_here = w_up.shape[0]

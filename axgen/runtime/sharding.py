@@ -15,11 +15,12 @@ def logical_to_mesh(rules: dict, logical_axes, shape, mesh_shape) -> P:
     (MaxText lists them as repeated rules): DeepSeek-V3's 1536-wide q latent takes fsdp=128 of fsdp x expert =
     128 x 8, which it could not take whole. A None axis is whole on every device. Inside a shard_map, the axes it
     made manual are each device's own and split nothing (`replica_axes`: a step that accumulates gradients runs
-    under one); an axis the mesh lacks (a mesh made without `context`) splits nothing either."""
+    under one); an axis the mesh lacks (a mesh made without `context`), or a logical axis the rules do not name (a
+    hand-made table without `seq`), splits nothing either."""
     used, spec = set(jax.sharding.get_abstract_mesh().manual_axes), []
     for axis, size in zip(logical_axes, shape):
         mesh_axes = ()
-        for m in () if axis is None else rules[axis]:
+        for m in () if axis is None else rules.get(axis, ()):
             if (
                 m not in used
                 and mesh_shape.get(m, 1) > 1
