@@ -265,12 +265,12 @@ def moe_spec(tmp_path, name, mesh, **routing):
     return path
 
 
-# About 45 s a case on 2 cores (two MoE programs compiled with their gradients): DeepSeek-V3's routing, which
-# has every sequence-wide statistic, in the quick tier; Mixtral's in the slow one.
+# Slow tier: about 40 s a case on 2 cores (two MoE programs compiled with their gradients).
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "routing",
     [
-        pytest.param({}, marks=pytest.mark.slow),
+        {},
         dict(
             num_experts=8,
             scoring="sigmoid",

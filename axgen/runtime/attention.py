@@ -169,9 +169,8 @@ def _attention_by_mask(q, k, v, visible, *, softcap, scale, sinks):
     scores = jnp.einsum("bqkgd,bskd->bkgqs", grouped * scale, k).astype(jnp.float32)
     if softcap is not None:
         scores = soft_cap(scores, softcap)
-    scores = jnp.where(
-        visible[:, :, None], scores, jnp.finfo(jnp.float32).min
-    )  # [batch, 1, 1, queries, keys]
+    visible = visible[:, :, None]  # [batch, kv_heads=1, group=1, queries, keys]
+    scores = jnp.where(visible, scores, jnp.finfo(jnp.float32).min)
     if sinks is None:
         probs = jax.nn.softmax(scores, axis=-1)
     else:  # the sink is one more column of every query's scores; its probability is dropped with it

@@ -5,15 +5,15 @@ Causal attention's work is uneven along a sequence: the last query sees every ke
 contiguous shards, the last shard would do 2c - 1 times the first's work. So the sequence is cut into 2c chunks and
 shard i holds chunks i and 2c - 1 - i (MaxText's `context_parallel_load_balance`, torchtitan's head-tail): each
 shard attends over as many (query, key) pairs as any other. The model puts its inputs into that order once
-(`to_context_order`) and its output back (`from_context_order`); every op between them is per position except
-attention, which gathers the keys and values over the context axes and masks by each position's index in the
-sequence (`attention_over_context`). Outside a mesh, or with one context shard, all three are the identity.
+(`to_context_order`) and its logits back (`from_context_order`; a training step's loss keeps the hidden states in
+context order and moves the labels and losses instead); every op between them is per position except attention,
+which gathers the keys and values over the context axes and masks by each position's index in the sequence
+(`attention_over_context`). Outside a mesh, or with one context shard, all three are the identity.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
 from jax.sharding import PartitionSpec as P
 
 from axgen.runtime.sharding import logical_to_mesh, mesh_axes, shards
@@ -56,8 +56,8 @@ def _reordered(x, rules, to_context):
     # In sequence order shard j holds chunks 2j and 2j + 1; in context order, chunks j and 2c - 1 - j. Of the two
     # chunks a shard holds in either order, one is even and one odd, so the even chunks move by one permutation of
     # the shards and the odd ones by another.
-    def home(chunk):  # the shard that holds `chunk` in context order, and whether as its front chunk
-        return (chunk, True) if chunk < count else (2 * count - 1 - chunk, False)
+    def home(chunk):  # the shard that holds `chunk` in context order
+        return chunk if chunk < count else 2 * count - 1 - chunk
 
     def even_chunk(shard):  # in context order
         return shard if shard % 2 == 0 else 2 * count - 1 - shard
@@ -66,8 +66,8 @@ def _reordered(x, rules, to_context):
         shard = jax.lax.axis_index(axes)
         first, second = jnp.split(x, 2, axis=1)
         if to_context:
-            evens = jax.lax.ppermute(first, axes, [(j, home(2 * j)[0]) for j in range(count)])
-            odds = jax.lax.ppermute(second, axes, [(j, home(2 * j + 1)[0]) for j in range(count)])
+            evens = jax.lax.ppermute(first, axes, [(j, home(2 * j)) for j in range(count)])
+            odds = jax.lax.ppermute(second, axes, [(j, home(2 * j + 1)) for j in range(count)])
             front_is_even = shard % 2 == 0
             return jnp.concatenate(
                 [jnp.where(front_is_even, evens, odds), jnp.where(front_is_even, odds, evens)], axis=1
