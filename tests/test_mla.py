@@ -79,23 +79,38 @@ def test_a_head_dim_other_than_nope_plus_rope_is_refused(tmp_path, capsys):
     ), output
 
 
-def test_an_mla_model_trains_on_8_cpu_devices_with_falling_loss(corpus, tmp_path):
-    """The fixture's DeepSeek-V2 model (MLA with YaRN, routed and shared experts) at a byte vocabulary, sharded over
-    8 fake CPU devices: its loss falls."""
+def test_a_deepseek_style_model_trains_on_8_cpu_devices_with_falling_loss_and_logs_its_auxiliary_losses(
+    corpus, tmp_path
+):
+    """The suite's one training run of a MoE program: the fixture's DeepSeek-V2 model (MLA with YaRN, routed and
+    shared experts) at a byte vocabulary with DeepSeek-V3's routing (sigmoid scores, a correction bias) and its
+    first layer dense (first_k_dense_replace), sharded over 8 fake CPU devices: its loss falls, and each step's
+    line logs the auxiliary losses."""
     spec = tmp_path / "mla_train.py"
     spec.write_text(
         "from tests.fixtures.hf_deepseek_v2_spec import spec as tiny\n"
         "from axgen.spec import AdamW, Train\n"
         "rope, mla, moe = tiny.features\n"
-        "spec = tiny.replace(vocab_size=256, features=[rope, mla, moe.replace(aux_loss_weight=0.01)], "
-        "train=Train(seq_len=64, global_batch=8, steps=20, warmup_steps=2, optimizer=AdamW(lr=3e-3)), "
-        "targets=['cpu-8'])\n"
+        "moe = moe.replace(aux_loss_weight=0.01, router_z_loss_weight=0.001, first_dense_layers=1,\n"
+        "    dense_hidden_dim=48, scoring='sigmoid', balance_bias_rate=1e-3)\n"
+        "spec = tiny.replace(vocab_size=256, decoder=tiny.decoder.replace(num_layers=3), features=[rope, mla, moe],\n"
+        "    train=Train(seq_len=64, global_batch=8, steps=20, warmup_steps=2, optimizer=AdamW(lr=3e-3)),\n"
+        "    targets=['cpu-8'])\n"
     )
     program = tmp_path / "program.py"
     assert run_cli(["build", str(spec), "--target", "cpu-8", "--out", str(program)]) == 0
-    losses = losses_in(train_in_process(program, corpus, tmp_path / "run", 10))
+    source = program.read_text()
+    assert source.index("dense_layers, _ = jax.lax.scan(") < source.index(
+        "layers, layers_aux = jax.lax.scan("
+    )
+    log = train_in_process(program, corpus, tmp_path / "run", 10)
+    losses = losses_in(log)
     assert sorted(losses) == list(range(1, 11))
     assert losses[10] < losses[1] - 1.0, losses
+    last = log.splitlines()[-2]
+    assert (
+        last.startswith("step 10 |") and "| load_balance_loss " in last and "| router_z_loss " in last
+    ), last
 
 
 # slow tier: deviceless compiles of the MLA program for each chip (11-26 s each on 2 cores)

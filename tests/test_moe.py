@@ -16,7 +16,7 @@ from axgen.interop import hf_to_params, load_program
 from axgen.ir import cost
 from axgen.loader import load_spec
 from axgen.spec import SpecError
-from tests.conftest import ROOT, STEP_LINE, moe_calls, moe_options, train_in_process
+from tests.conftest import ROOT, moe_calls, moe_options
 from axgen.runtime import moe
 from axgen.runtime.program import Program
 
@@ -158,18 +158,6 @@ def test_moe_every_must_divide_the_layers(tmp_path):
 def test_published_parameter_counts():
     assert cost.num_params(build(ROOT / "axgen/specs/llama2_7b.py", "cpu-8").graph) == 6_738_415_616
     assert cost.num_params(build(ROOT / "axgen/specs/mixtral_8x7b.py", "cpu-8").graph) == 46_702_792_704
-
-
-def test_moe_program_trains_on_eight_devices_and_logs_its_auxiliary_losses(corpus, tmp_path):
-    log = train_in_process(
-        ROOT / "generated/moe_tiny/cpu_8.py", corpus, tmp_path / "ckpt", 12, "--batch", "8"
-    )
-    losses = {int(step): float(loss) for step, loss in STEP_LINE.findall(log)}
-    assert losses[12] < losses[1] - 1.0, losses
-    last = log.splitlines()[-2]
-    assert (
-        last.startswith("step 12 |") and "| load_balance_loss " in last and "| router_z_loss " in last
-    ), last
 
 
 def tpu_program(tmp_path):
