@@ -98,7 +98,7 @@ def test_h100_moe_program_compiles_with_the_mosaic_gpu_grouped_matmul_forward_an
 def test_multi_slice_program_compiles_on_a_hybrid_mesh(capsys):
     code, [report], _ = aot(capsys, TINY, "--target", "tpu-v5e-4x2")
     assert code == 0 and report["compiled_for"] == "8 x TPU v5e (libtpu topology 2 slices of v5e:2x2)"
-    assert report["mesh"] == {"data": 2, "fsdp": 4, "expert": 1, "context": 1, "model": 1}
+    assert report["mesh"] == {"data": 2, "stage": 1, "fsdp": 4, "expert": 1, "context": 1, "model": 1}
 
 
 # slow tier: a deviceless compile of an MoE or multi-pass program for the chips (20-30 s on 2 cores)
@@ -132,7 +132,14 @@ def test_h100_data_parallel_groups_sum_their_passes_apart_with_cudnn_attention(t
         "spec = tiny.replace(mesh_rules=[MeshRule('gpu-h100-8', {'data': 2, 'fsdp': 4}, microbatch=1, why='dp')])\n"
     )
     code, [report], _ = aot(capsys, str(spec), "--target", "gpu-h100-8")
-    assert code == 0 and report["mesh"] == {"data": 2, "fsdp": 4, "expert": 1, "context": 1, "model": 1}
+    assert code == 0 and report["mesh"] == {
+        "data": 2,
+        "stage": 1,
+        "fsdp": 4,
+        "expert": 1,
+        "context": 1,
+        "model": 1,
+    }
     assert report["grad_accum_steps"] == 2
     assert {"__cudnn$fmhaScaleBiasSoftmax", "__cudnn$fmhaScaleBiasSoftmaxBackward"} <= set(report["kernels"])
 
@@ -140,7 +147,7 @@ def test_h100_data_parallel_groups_sum_their_passes_apart_with_cudnn_attention(t
 def test_trainium_program_compiles_on_fake_cpu_devices_with_its_mesh(capsys):
     code, [report], _ = aot(capsys, TINY, "--target", "trn2-16")
     assert code == 0 and report["compiled_for"] == "16 x AWS Trainium2 emulated by 16 fake CPU devices"
-    assert report["mesh"] == {"data": 1, "fsdp": 4, "expert": 1, "context": 1, "model": 4}
+    assert report["mesh"] == {"data": 1, "stage": 1, "fsdp": 4, "expert": 1, "context": 1, "model": 4}
     assert report["grad_accum_steps"] == 2 and report["microbatch"] == 2
 
 
@@ -157,7 +164,7 @@ def test_expert_parallel_moe_compiles_for_tpu_with_ragged_matmul_kernels(tmp_pat
     assert (
         code == 0
         and report["fits"]
-        and report["mesh"] == {"data": 1, "fsdp": 2, "expert": 2, "context": 1, "model": 2}
+        and report["mesh"] == {"data": 1, "stage": 1, "fsdp": 2, "expert": 2, "context": 1, "model": 2}
     )
     dense_kernels = aot(capsys, TINY, "--target", "tpu-v5e-8")[1][0]["kernels"]["tpu_custom_call"]
     assert report["kernels"]["tpu_custom_call"] > dense_kernels, "ragged matmuls lower to Pallas kernels"
@@ -302,7 +309,7 @@ def test_all_to_all_experts_compile_for_tpu_with_ragged_all_to_all(tmp_path, cap
     assert (
         code == 0
         and report["fits"]
-        and report["mesh"] == {"data": 1, "fsdp": 2, "expert": 4, "context": 1, "model": 1}
+        and report["mesh"] == {"data": 1, "stage": 1, "fsdp": 2, "expert": 4, "context": 1, "model": 1}
     )
     assert report["collectives"].get("ragged-all-to-all", 0) >= 4, report["collectives"]
     assert report["collective_bytes"]["ragged-all-to-all"] > 0
@@ -328,7 +335,7 @@ def test_expert_parallel_moe_compiles_for_h100_with_the_mosaic_gpu_kernel_on_eit
     assert (
         code == 0
         and report["fits"]
-        and report["mesh"] == {"data": 1, "fsdp": 2, "expert": 4, "context": 1, "model": 1}
+        and report["mesh"] == {"data": 1, "stage": 1, "fsdp": 2, "expert": 4, "context": 1, "model": 1}
     )
     assert report["kernels"].get("mosaic_gpu_v2", 0) == 9, report["kernels"]
     moved = "ragged-all-to-all" if dispatch == "all_to_all" else "reduce-scatter"

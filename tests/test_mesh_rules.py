@@ -46,7 +46,7 @@ def program_for(tmp_path, spec_path, target):
 def test_backend_defaults_for_a_7b_model():
     llama2 = load_spec(ROOT / "axgen/specs/llama2_7b.py")
     v5e = plan_for(llama2, "tpu-v5e-256")
-    assert dict(v5e.mesh) == {"data": 1, "fsdp": 256, "expert": 1, "context": 1, "model": 1}
+    assert dict(v5e.mesh) == {"data": 1, "stage": 1, "fsdp": 256, "expert": 1, "context": 1, "model": 1}
     assert v5e.remat.policy == "offload_dots" and v5e.microbatch == 1 and v5e.grad_accum_steps == 4
     assert v5e.attention == "splash" and v5e.attention_block == 512 and v5e.num_hosts == 64
     assert v5e.flags_variable == "LIBTPU_INIT_ARGS" and v5e.topology == "v5e:16x16"
@@ -54,12 +54,13 @@ def test_backend_defaults_for_a_7b_model():
     assert dict(h100.mesh)["fsdp"] == 8 and h100.attention == "cudnn" and h100.topology == "1x1x8"
     trn2 = plan_for(llama2, "trn2-16")
     assert (
-        dict(trn2.mesh) == {"data": 1, "fsdp": 4, "expert": 1, "context": 1, "model": 4}
+        dict(trn2.mesh) == {"data": 1, "stage": 1, "fsdp": 4, "expert": 1, "context": 1, "model": 4}
         and trn2.topology is None
     )
     llama3_8b = load_spec(ROOT / "axgen/specs/llama3_8b.py")
     assert dict(plan_for(llama3_8b, "gpu-h100-64").mesh) == {
         "data": 8,
+        "stage": 1,
         "fsdp": 8,
         "expert": 1,
         "context": 1,
@@ -70,11 +71,12 @@ def test_backend_defaults_for_a_7b_model():
     assert v5p.remat.policy == "save_dots" and v5p.xla_flags == ()
     llama3_70b = load_spec(ROOT / "axgen/specs/llama3_70b.py")
     v5p_512 = plan_for(llama3_70b, "tpu-v5p-512")
-    assert dict(v5p_512.mesh) == {"data": 8, "fsdp": 64, "expert": 1, "context": 1, "model": 1}
+    assert dict(v5p_512.mesh) == {"data": 8, "stage": 1, "fsdp": 64, "expert": 1, "context": 1, "model": 1}
     assert v5p_512.remat.policy == "full" and v5p_512.rule.origin.file == "specs/llama3_70b.py"
     # The 70B spec's own rule comes first: its weights need every GPU's memory.
     assert dict(plan_for(llama3_70b, "gpu-h100-64").mesh) == {
         "data": 1,
+        "stage": 1,
         "fsdp": 64,
         "expert": 1,
         "context": 1,
@@ -84,13 +86,22 @@ def test_backend_defaults_for_a_7b_model():
 
 def test_multi_slice_target_puts_slices_on_data():
     plan = plan_for(load_spec(ROOT / "axgen/specs/llama2_7b.py"), "tpu-v5e-256x2")
-    assert dict(plan.mesh) == {"data": 2, "fsdp": 256, "expert": 1, "context": 1, "model": 1}
-    assert dict(plan.dcn_mesh) == {"data": 2, "fsdp": 1, "expert": 1, "context": 1, "model": 1}
+    assert dict(plan.mesh) == {"data": 2, "stage": 1, "fsdp": 256, "expert": 1, "context": 1, "model": 1}
+    assert dict(plan.dcn_mesh) == {"data": 2, "stage": 1, "fsdp": 1, "expert": 1, "context": 1, "model": 1}
     assert plan.num_devices == 512 and plan.num_hosts == 128 and plan.grad_accum_steps == 2
     source = (ROOT / "generated/llama_tiny/tpu_v5e_4x2.py").read_text()
-    assert 'DCN_MESH_SHAPE = {"data": 2, "fsdp": 1, "expert": 1, "context": 1, "model": 1}' in source
+    assert (
+        'DCN_MESH_SHAPE = {"data": 2, "stage": 1, "fsdp": 1, "expert": 1, "context": 1, "model": 1}' in source
+    )
     program = Program.from_module(load_program(ROOT / "generated/llama_tiny/tpu_v5e_4x2.py"))
-    assert dict(program.make_mesh().shape) == {"data": 2, "fsdp": 4, "expert": 1, "context": 1, "model": 1}
+    assert dict(program.make_mesh().shape) == {
+        "data": 2,
+        "stage": 1,
+        "fsdp": 4,
+        "expert": 1,
+        "context": 1,
+        "model": 1,
+    }
 
 
 def test_devices_of_several_slices_form_a_hybrid_mesh_with_slices_on_data(monkeypatch):
@@ -105,24 +116,25 @@ def test_devices_of_several_slices_form_a_hybrid_mesh_with_slices_on_data(monkey
 
     def hybrid(per_slice, across_slices, devices):
         asked.append((per_slice, across_slices, [d.slice_index for d in devices]))
-        return np.array(jax.devices()).reshape(2, 4, 1, 1, 1)
+        return np.array(jax.devices()).reshape(2, 1, 4, 1, 1, 1)
 
     monkeypatch.setattr(mesh_utils, "create_hybrid_device_mesh", hybrid)
     sliced = [type("SlicedDevice", (), {"slice_index": i // 4})() for i in range(8)]
     assert dict(program.make_mesh(sliced).shape) == {
         "data": 2,
+        "stage": 1,
         "fsdp": 4,
         "expert": 1,
         "context": 1,
         "model": 1,
     }
-    assert asked == [([1, 4, 1, 1, 1], [2, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1, 1, 1])]
+    assert asked == [([1, 1, 4, 1, 1, 1], [2, 1, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1, 1, 1])]
 
 
 def test_spec_rules_come_before_the_backends(tmp_path):
     rule = 'MeshRule(r"cpu-8", {"data": 4, "model": 2}, why="spec says", microbatch=1, remat=Remat(policy="full"))'
     plan = plan_for(load_spec(tiny_with(tmp_path, "ruled", rule)), "cpu-8")
-    assert dict(plan.mesh) == {"data": 4, "fsdp": 1, "expert": 1, "context": 1, "model": 2}
+    assert dict(plan.mesh) == {"data": 4, "stage": 1, "fsdp": 1, "expert": 1, "context": 1, "model": 2}
     assert plan.rule.origin.file == "specs/ruled.py" and plan.grad_accum_steps == 4
     assert plan.remat.policy == "full"
     unmatched = plan_for(load_spec(tiny_with(tmp_path, "ruled", rule)), "cpu-1")
@@ -416,7 +428,14 @@ def test_a_rules_later_mesh_axes_are_fallbacks_taken_while_they_divide():
     from axgen.backends.common import LOGICAL_AXIS_RULES
     from axgen.runtime.sharding import logical_to_mesh
 
-    rules, mesh = dict(LOGICAL_AXIS_RULES), {"data": 1, "fsdp": 128, "expert": 8, "context": 1, "model": 1}
+    rules, mesh = dict(LOGICAL_AXIS_RULES), {
+        "data": 1,
+        "stage": 1,
+        "fsdp": 128,
+        "expert": 8,
+        "context": 1,
+        "model": 1,
+    }
     assert logical_to_mesh(rules, ("embed", "heads"), (7168, 128), mesh) == jax.sharding.PartitionSpec(
         ("fsdp", "expert"), None
     )
@@ -466,7 +485,7 @@ def test_build_warns_when_a_mesh_leaves_params_whole_on_every_device(tmp_path, c
     assert warning.startswith(
         f"axgen: warning: {spec} on tpu-v5p-256: a device holds 116.83B of the 116.83B params"
     )
-    assert "(256x its even share over fsdp=256;" in warning and "w_gate, w_up, w_down and others" in warning
+    assert "(242x its even share over fsdp=256;" in warning and "w_gate, w_up, w_down and others" in warning
     own = tmp_path / "own.py"
     assert (
         axgen(

@@ -201,7 +201,7 @@ def test_plan_inputs_are_one_line(capsys, tmp_path):
     assert exit.value.code == 2
     err = capsys.readouterr().err
     assert (
-        "names fsdb, not one of data, fsdp, expert, context, model" in err
+        "names fsdb, not one of data, stage, fsdp, expert, context, model" in err
         and len(err.strip().splitlines()) == 1
     )
     shutil.copy(ROOT / "axgen/specs/llama_tiny.py", tmp_path / "tiny.py")

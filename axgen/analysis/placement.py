@@ -20,7 +20,9 @@ STATE_BYTES_PER_PARAM = 12
 class Placement:
     params: int  # trained values, each layer's counted
     per_device: int  # the values one device holds
-    even_share: float  # params / the devices that split params (data parallelism holds copies)
+    # What a device would hold were each param split over every mesh axis its logical axes' rules name (data
+    # parallelism holds copies; so do pipeline stages of what is not a stacked layer).
+    even_share: float
     whole: tuple[str, ...]  # the params no mesh axis splits, largest first
 
     @property
@@ -31,6 +33,7 @@ class Placement:
 
 def placement(graph: Graph, rules: dict[str, tuple[str, ...]], mesh: dict[str, int]) -> Placement:
     params = per_device = 0
+    even_share = 0.0
     whole: dict[str, int] = {}
     for node in graph.nodes():
         repeat = graph.regions[node.region].repeat
@@ -43,10 +46,11 @@ def placement(graph: Graph, rules: dict[str, tuple[str, ...]], mesh: dict[str, i
             )
             params += size
             per_device += size // split
+            even_share += size / math.prod(
+                mesh.get(m, 1) for m in {m for axis in param.type.axes for m in rules.get(axis, ())}
+            )
             if split == 1:
                 whole[param.key] = whole.get(param.key, 0) + size
-    param_axes = {axis for name, axes in rules.items() if name != "batch" for axis in axes}
-    even_share = params / math.prod(mesh[axis] for axis in param_axes)
     return Placement(params, per_device, even_share, tuple(sorted(whole, key=whole.get, reverse=True)))
 
 

@@ -20,7 +20,9 @@ GIB = 1024**3
 # mesh axis is one more data-parallel axis and one more fsdp axis of the weights, as in MaxText (its `embed`
 # and `q_lora`/`kv_lora` rules); the experts' own weights [expert, embed, mlp] have given it to `expert`. The
 # `context` axis splits each sequence (runtime/context.py) and, as MaxText's does, the weights as one more fsdp
-# axis: its devices hold different positions of the same rows, so they share the weights' gradients.
+# axis: its devices hold different positions of the same rows, so they share the weights' gradients. The `stage`
+# axis splits a block's stacked layers into pipeline stages (runtime/pipeline.py): stage s holds the s-th run of
+# consecutive layers, and runs them.
 # Every logical axis the IR names has a rule; those not listed here are replicated.
 _SHARDED = {
     "batch": ("data", "fsdp", "expert"),
@@ -34,6 +36,7 @@ _SHARDED = {
     # MLA's up-projections [latent, heads, head_dim] would otherwise be whole on every device of an fsdp mesh
     # (heads go to `model`): DeepSeek-V3's are 3.2B params a device, 37 GB with their Adam moments.
     "latent": ("fsdp", "expert", "context"),
+    "layers": ("stage",),
 }
 LOGICAL_AXIS_RULES: tuple[tuple[str, tuple[str, ...]], ...] = tuple(
     (axis, _SHARDED.get(axis, ())) for axis in LOGICAL_AXES
@@ -230,6 +233,7 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
     )
     _check_attention(plan, family, spec)
     _check_context(plan, spec)
+    _check_stages(plan, spec)
     _check_capabilities(plan, spec)
     return plan
 
@@ -250,6 +254,34 @@ def _check_context(plan: Plan, spec: Model) -> None:
             f"{plan.rule.origin}: MeshRule.mesh context={context} (pattern {plan.rule.pattern!r}) does not cut "
             f"Train.seq_len={spec.train.seq_len} into {2 * context} equal chunks (each context shard holds a "
             f"front and a back chunk, so causal attention's work is even; {spec.train.origin})"
+        )
+
+
+def _check_stages(plan: Plan, spec: Model) -> None:
+    """Pipeline stages split one stack of identical layers into runs of consecutive layers (runtime/pipeline.py)."""
+    stages = dict(plan.mesh)["stage"]
+    if stages == 1:
+        return
+    where = f"{plan.rule.origin}: MeshRule.mesh stage={stages} (pattern {plan.rule.pattern!r})"
+    layers = spec.decoder.num_layers
+    if stages > layers:
+        raise SpecError(
+            f"{where} is more stages than the {layers} layers of Decoder.num_layers ({spec.origin})"
+        )
+    if layers % stages:
+        raise SpecError(
+            f"{where} does not split Decoder.num_layers={layers} into stages of as many layers each ({spec.origin})"
+        )
+    moe, lora = spec.feature("moe"), spec.feature("lora")
+    if moe is not None:
+        raise SpecError(
+            f"{where} and the routed experts of {moe.origin}: experts under pipeline stages are not built (their "
+            "auxiliary losses and expert axis would cross the stages); use fsdp, expert and model"
+        )
+    if lora is not None and lora.dropout:
+        raise SpecError(
+            f"{where} and F.lora(dropout={lora.dropout}) ({lora.origin}): adapters' dropout under pipeline stages "
+            "is not built; use dropout=0.0"
         )
 
 

@@ -285,6 +285,30 @@ def scan_grouping(g: Graph, plan: Plan) -> None:
         g.update(scan, function=function, calls=calls, returns_aux=any(call.aux for call in calls))
 
 
+def pipeline(g: Graph, plan: Plan) -> None:
+    """Where the mesh splits the stacked layers into pipeline stages (the rules give `layers` the `stage` axis):
+    the decoder's scan runs as `pipeline_stages` stages of consecutive steps, GPipe's schedule over the step's
+    microbatches (runtime.pipeline), with why; the train step and the evaluation then take the whole batch in one
+    pass (`pipeline_stages` > 1 in the graph's attrs)."""
+    rules, mesh = dict(plan.logical_axis_rules), dict(plan.mesh)
+    stages = math.prod(mesh[a] for a in rules["layers"])
+    g.attrs["pipeline_stages"] = stages
+    if stages == 1:
+        return
+    (scan,) = g.nodes(op="scan")
+    if scan.attrs.steps % stages:
+        raise GraphError(
+            f"{plan.rule.provenance}: stage={stages} does not split the {scan.attrs.steps} steps of {scan} (groups of "
+            f"{scan.attrs.calls[0].per_step} layers) into stages of whole steps"
+        )
+    per_stage = scan.attrs.steps // stages * sum(call.per_step for call in scan.attrs.calls)
+    why = (
+        f"{stages} stages of {per_stage} layers on the mesh's stage axis, GPipe over the step's "
+        f"microbatches of MICROBATCH sequences per device ({plan.rule.provenance})"
+    )
+    g.update(scan, stages=stages, pipeline=why)
+
+
 # The float32 logits of one chunk of the fused loss per device, at most (where the sequence halves that far), as
 # a fraction of the chip's HBM: a few such buffers live at once, against the whole logits' several GiB at a 128k
 # vocabulary. Measured deviceless: a fixed 512 MiB made llama2-7b on tpu-v5e-256 (16 GiB chips) peak at 5.83 GiB
@@ -451,6 +475,7 @@ STEPS: tuple[Callable[[Graph, Plan], None], ...] = (
     moe_dispatch,
     remat,
     scan_grouping,
+    pipeline,
     aux_losses,
     loss,
     kernel_switches,

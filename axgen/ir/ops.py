@@ -138,13 +138,17 @@ class ScanCall:
 @dataclass(frozen=True, kw_only=True)
 class ScanAttrs(Attrs):
     """Runs `blocks` in turn, `steps` times. The scan lowering says what one step calls: `function` (a block's own
-    function, or a group of several layers), its `calls`, and whether it returns auxiliary losses."""
+    function, or a group of several layers), its `calls`, and whether it returns auxiliary losses; the pipeline
+    lowering, in how many stages the steps run."""
 
     blocks: tuple[str, ...]
     steps: int
     function: str | None = None
     calls: tuple[ScanCall, ...] = ()
     returns_aux: bool = False
+    # Pipeline stages (the lowering's `pipeline` step): how many, and the program's comment on them.
+    stages: int = 1
+    pipeline: str | None = None
 
     @staticmethod
     def groups(calls: tuple[ScanCall, ...]) -> bool:

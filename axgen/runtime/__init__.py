@@ -44,6 +44,7 @@ _HOMES = {
     "moe_dropless": "moe",
     "moe_with_capacity": "moe",
     "param_shardings": "sharding",
+    "pipeline": "stages",
     "rope": "rotary",
     "rope_frequencies": "rotary",
     "route": "moe",

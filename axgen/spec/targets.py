@@ -12,8 +12,9 @@ from axgen.spec.validation import SpecNode, suggest
 
 # Outermost first: `model` is innermost so its collectives use the fastest links between neighbouring devices, and
 # `context` (each sequence split into shards, runtime/context.py) next to it: every layer gathers keys and values
-# over it.
-MESH_AXES = ("data", "fsdp", "expert", "context", "model")
+# over it. `stage` (pipeline stages, runtime/pipeline.py) is outer, after `data`: a stage hands one microbatch's
+# activations to the next, the fewest bytes of any split, so its links may be the slowest (between hosts).
+MESH_AXES = ("data", "stage", "fsdp", "expert", "context", "model")
 ATTENTION_KERNELS = ("xla", "splash", "cudnn")
 # How a dropless MoE with its experts split over devices moves token copies: every token of the expert group to
 # every device (all_gather), or each copy only to its expert's device and back (all_to_all: the backend picks the
@@ -24,13 +25,14 @@ COMPUTE_DTYPES = ("float32", "bfloat16")
 
 @dataclass(frozen=True)
 class MeshRule(SpecNode):
-    """A regex over target names -> a mesh over `data, fsdp, expert, context, model` (-1: the devices left over) and the
-    modifiers that go with it; a modifier left None keeps the backend's choice. Each backend tries its rules in
-    order and the first match wins; a spec's `Model.mesh_rules` are tried before the backend's. On a multi-slice
-    target (`tpu-v5e-256x2`) the mesh is one slice's and the slices multiply `data`.
+    """A regex over target names -> a mesh over `data, stage, fsdp, expert, context, model` (-1: the devices left
+    over) and the modifiers that go with it; a modifier left None keeps the backend's choice. Each backend tries
+    its rules in order and the first match wins; a spec's `Model.mesh_rules` are tried before the backend's. On a
+    multi-slice target (`tpu-v5e-256x2`) the mesh is one slice's and the slices multiply `data`.
 
     `microbatch` is the sequences each device runs per forward and backward pass: a step whose per-device batch
-    is larger accumulates gradients over `per-device batch / microbatch` passes. `attention_block` is the query
+    is larger accumulates gradients over `per-device batch / microbatch` passes; with pipeline stages (`stage` >
+    1) those microbatches go through the stages in turn, in one pass. `attention_block` is the query
     and key/value block length of the splash attention kernel. `memory_fraction` is the share of each device's
     memory the program's allocator takes (GPU), and what `axgen aot` checks the peak against. `moe_dispatch` is how
     a dropless MoE whose experts are split over devices moves its token copies (MOE_DISPATCHES).

@@ -1,0 +1,198 @@
+"""Pipeline stages: a `stage` mesh axis splits the decoder's stacked layers into runs of consecutive layers, each
+device running its stage on one microbatch while the others run theirs (runtime.pipeline, GPipe). The proof is
+issue 39's: on the CPU mesh, stage=2 and stage=4 give one stage's loss and gradients, accumulated over passes.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from axgen import runtime
+from axgen.build import build
+from axgen.cli import main as axgen
+from axgen.files import write_atomically
+from axgen.interop import load_program
+from axgen.runtime.program import Program
+from axgen.runtime.stages import bubble
+from axgen.spec import MESH_AXES
+from tests.conftest import ROOT
+from tests.test_context import packed_batch
+
+WINDOWS = "F.sliding_window(window=24, global_every=2)"  # a scan of groups of 2 layers
+RULES = {"batch": ("data", "fsdp"), "seq": (), "embed": (), "mlp": ("model",), "layers": ("stage",)}
+
+
+def mesh_of(**sizes):
+    shape = tuple(sizes.get(axis, 1) for axis in MESH_AXES)
+    return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
+
+
+def spec_file(tmp_path, name, mesh, microbatch, base="llama_tiny", features="", layers=4):
+    """A tiny spec of `layers` layers on `mesh` for cpu-8, with `features` added to its own."""
+    path = tmp_path / f"{name}.py"
+    path.write_text(
+        "from axgen.spec import MeshRule\nfrom axgen.spec import features as F\n"
+        f"from axgen.specs.{base} import spec as tiny\n"
+        f"tiny = tiny.replace(decoder=tiny.decoder.replace(num_layers={layers}))\n"
+        f"rule = MeshRule('cpu-8', {mesh!r}, why='pipeline stages under test', microbatch={microbatch})\n"
+        f"spec = tiny.replace(mesh_rules=[rule], features=[*tiny.features, {features}])\n"
+    )
+    return path
+
+
+def test_the_stages_run_the_scan_they_split_in_value_and_gradient():
+    """runtime.pipeline of a stack of 8 layers over 2 and 4 stages (and on one device, every stage there) equals
+    the plain scan of the stack, in value and in the gradients of the params and the input."""
+
+    def layer(x, p, positions, segment_ids):
+        h = runtime.constrain(jnp.tanh(jnp.einsum("bse,ef->bsf", x, p["w1"])), ("batch", "seq", "mlp"), RULES)
+        scale = segment_ids[..., None] + 0.01 * positions[..., None]
+        return runtime.constrain(
+            x + jnp.einsum("bsf,fe->bse", h, p["w2"]) * scale, ("batch", "seq", "embed"), RULES
+        )
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    params = {
+        "w1": 0.3 * jax.random.normal(keys[0], (8, 16, 32)),
+        "w2": 0.3 * jax.random.normal(keys[1], (8, 32, 16)),
+    }
+    x = jax.random.normal(keys[2], (8, 6, 16))
+    segment_ids = jnp.ones((8, 6), jnp.int32).at[:, 4:].set(2)
+    positions = jnp.broadcast_to(jnp.arange(6), (8, 6))
+
+    def plain(params, x):
+        scan = jax.lax.scan(lambda x, p: (layer(x, p, positions, segment_ids), None), x, params)[0]
+        return (scan * jnp.cos(jnp.arange(16))).sum()
+
+    def staged(stages, params, x):
+        out = runtime.pipeline(
+            layer, x, params, positions, segment_ids, stages=stages, microbatch=1, rules=RULES
+        )
+        return (out * jnp.cos(jnp.arange(16))).sum()
+
+    expected, expected_grads = jax.value_and_grad(plain, (0, 1))(params, x)
+    runs = [(2, mesh_of(stage=2, fsdp=2, model=2)), (4, mesh_of(stage=4, data=2)), (4, None)]
+    for stages, mesh in runs:
+        fn = jax.jit(jax.value_and_grad(functools.partial(staged, stages), (0, 1)))
+        if mesh is None:
+            value, grads = fn(params, x)
+        else:
+            with jax.set_mesh(mesh):
+                value, grads = fn(params, x)
+        np.testing.assert_allclose(value, expected, rtol=1e-5)
+        for grad, expected_grad in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads)):
+            np.testing.assert_allclose(grad, expected_grad, atol=1e-4 * np.abs(expected_grad).max())
+    assert bubble(4, 4) == 3 / 7 and bubble(2, 8) == 1 / 9
+
+
+@pytest.fixture(scope="module")
+def stage_programs(tmp_path_factory):
+    """llama_tiny on stage=2 x fsdp=2 x model=2 and on stage=4 x model=2, microbatches of 2 sequences a device."""
+    tmp_path = tmp_path_factory.mktemp("stages")
+    programs = {}
+    for stages, mesh in [(2, {"stage": 2, "fsdp": 2, "model": 2}), (4, {"stage": 4, "model": 2})]:
+        out = tmp_path / f"stage_{stages}.py"
+        write_atomically(out, build(spec_file(tmp_path, f"stage_{stages}", mesh, 2), "cpu-8").source)
+        programs[stages] = load_program(out)
+    return programs
+
+
+def test_stage_2_and_4_train_as_one_stage_does(stage_programs):
+    """The loss and every gradient of a step on stage=2 (2 microbatches a device) and stage=4 (4 microbatches)
+    equal one stage's within float32 noise: with one document a row against a step accumulated over 2 passes
+    (runtime.gradients; each pass counts the same targets, so the mean of the passes' means is the batch's), and
+    with documents packed into the rows, padding and a loss mask against one pass over the batch (the pipelined
+    step's loss is the batch's mean over its targets, as one pass's is)."""
+    one_stage = load_program(ROOT / "generated/llama_tiny/cpu_8.py")
+    params = Program.from_module(one_stage).init_params(jax.random.key(0))
+    packed = tuple(x[:8] for x in packed_batch(True))
+    rows_alone = (packed[0], jnp.ones_like(packed[0]), jnp.ones_like(packed[0]))
+
+    def reference(batch, microbatch):
+        step = functools.partial(
+            runtime.gradients,
+            one_stage.loss_fn,
+            microbatch=microbatch,
+            specs=one_stage.PARAMS,
+            rules=one_stage.LOGICAL_AXIS_RULES,
+        )
+        (loss, _), grads = jax.jit(step)({"params": params}, batch=batch)
+        return float(loss), grads
+
+    expected = {"rows alone": reference(rows_alone, 4), "packed": reference(packed, 8)}
+    for stages, module in stage_programs.items():
+        program = Program.from_module(module)
+        mesh = program.make_mesh()
+        step = jax.jit(
+            functools.partial(
+                runtime.gradients,
+                module.loss_fn,
+                microbatch=module.MICROBATCH,
+                specs=module.PARAMS,
+                rules=module.LOGICAL_AXIS_RULES,
+                pipelined=True,
+            )
+        )
+        with jax.set_mesh(mesh):
+            placed = {"params": jax.device_put(params, program.param_shardings(mesh))}
+            got = {"rows alone": step(placed, batch=rows_alone), "packed": step(placed, batch=packed)}
+        for batch, ((loss, _), grads) in got.items():
+            expected_loss, expected_grads = expected[batch]
+            np.testing.assert_allclose(
+                float(loss), expected_loss, rtol=1e-6, err_msg=f"stage={stages} {batch}"
+            )
+            for (path, grad), expected_grad in zip(
+                jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(expected_grads)
+            ):
+                np.testing.assert_allclose(
+                    grad,
+                    expected_grad,
+                    atol=1e-6 * np.abs(expected_grad).max(),
+                    err_msg=f"stage={stages} {batch} {jax.tree_util.keystr(path)}",
+                )
+
+
+def test_the_lowering_shows_the_stages_and_refuses_what_it_cannot_split(tmp_path, capsys):
+    """`axgen graph --after lowering` shows the decoder's scan in stages; the program runs it through
+    runtime.pipeline, with why, and takes the whole batch in one pass. More stages than layers, stages of unequal
+    layers or of part of a group, and routed experts are refused at build time naming the rule and the value, with
+    nothing written."""
+    spec = spec_file(tmp_path, "stages", {"stage": 2, "fsdp": 2, "model": 2}, 2)
+    assert axgen(["graph", str(spec), "--target", "cpu-8", "--after", "lowering"]) == 0
+    graph = capsys.readouterr().out
+    assert (
+        "steps=4 function=decoder_layer calls=(1xdecoder_layer) stages=2 pipeline=2 stages of 2 layers"
+        in graph
+    )
+    source = build(spec, "cpu-8").source
+    assert "layers = runtime.pipeline(\n        decoder_layer,\n        embed,\n" in source
+    assert "# pipeline · 2 stages of 2 layers on the mesh's stage axis, GPipe" in source
+    assert source.count("pipelined=True") == 2 and '"layers": ("stage",),' in source
+    assert "runtime.pipeline(" not in build(spec_file(tmp_path, "plain", {"fsdp": 8}, 2), "cpu-8").source
+    cases = [
+        (
+            spec_file(tmp_path, "eight", {"stage": 8}, 2),
+            "stage=8 (pattern 'cpu-8') is more stages than the 4 layers",
+        ),
+        (
+            spec_file(tmp_path, "six", {"stage": 4, "model": 2}, 2, layers=6),
+            "stage=4 (pattern 'cpu-8') does not split Decoder.num_layers=6 into stages of as many layers each",
+        ),
+        (
+            spec_file(tmp_path, "experts", {"stage": 2, "fsdp": 4}, 2, base="moe_tiny"),
+            "stage=2 (pattern 'cpu-8') and the routed experts of",
+        ),
+        (
+            spec_file(tmp_path, "groups", {"stage": 4, "fsdp": 2}, 2, features=WINDOWS),
+            "stage=4 does not split the 2 steps of",
+        ),
+    ]
+    for bad, message in cases:
+        out = tmp_path / "out.py"
+        assert axgen(["build", str(bad), "--target", "cpu-8", "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+        assert not out.exists()
