@@ -18,7 +18,9 @@ from axgen.interop import load_program
 from axgen.runtime.program import Program
 from axgen.runtime.stages import bubble
 from axgen.spec import MESH_AXES
+from axgen.analysis.aot import Report
 from tests.conftest import ROOT
+from tests.test_aot import aot
 from tests.test_context import packed_batch
 
 WINDOWS = "F.sliding_window(window=24, global_every=2)"  # a scan of groups of 2 layers
@@ -30,15 +32,15 @@ def mesh_of(**sizes):
     return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
-def spec_file(tmp_path, name, mesh, microbatch, base="llama_tiny", features="", layers=4):
-    """A tiny spec of `layers` layers on `mesh` for cpu-8, with `features` added to its own."""
+def spec_file(tmp_path, name, mesh, microbatch, base="llama_tiny", features="", layers=4, target="cpu-8"):
+    """A tiny spec of `layers` layers on `mesh` for `target`, with `features` added to its own."""
     path = tmp_path / f"{name}.py"
     path.write_text(
         "from axgen.spec import MeshRule\nfrom axgen.spec import features as F\n"
         f"from axgen.specs.{base} import spec as tiny\n"
         f"tiny = tiny.replace(decoder=tiny.decoder.replace(num_layers={layers}))\n"
-        f"rule = MeshRule('cpu-8', {mesh!r}, why='pipeline stages under test', microbatch={microbatch})\n"
-        f"spec = tiny.replace(mesh_rules=[rule], features=[*tiny.features, {features}])\n"
+        f"rule = MeshRule({target!r}, {mesh!r}, why='pipeline stages under test', microbatch={microbatch})\n"
+        f"spec = tiny.replace(mesh_rules=[rule], features=[*tiny.features, {features}], targets=[{target!r}])\n"
     )
     return path
 
@@ -172,6 +174,10 @@ def test_the_lowering_shows_the_stages_and_refuses_what_it_cannot_split(tmp_path
     assert "# pipeline · 2 stages of 2 layers on the mesh's stage axis, GPipe" in source
     assert source.count("pipelined=True") == 2 and '"layers": ("stage",),' in source
     assert "runtime.pipeline(" not in build(spec_file(tmp_path, "plain", {"fsdp": 8}, 2), "cpu-8").source
+    gpu = build(
+        spec_file(tmp_path, "gpu", {"stage": 2, "fsdp": 2, "model": 2}, 2, target="gpu-h100-8"), "gpu-h100-8"
+    )
+    assert "# xla: cudnn does not run in pipeline stages (jax 0.12's batching rule" in gpu.source
     cases = [
         (
             spec_file(tmp_path, "eight", {"stage": 8}, 2),
@@ -196,3 +202,22 @@ def test_the_lowering_shows_the_stages_and_refuses_what_it_cannot_split(tmp_path
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
         assert not out.exists()
+
+
+# slow tier: deviceless compiles for the chips (about 35 s each on 2 cores)
+@pytest.mark.slow
+@pytest.mark.parametrize(("target", "kernel"), [("tpu-v5e-8", "tpu_custom_call"), ("gpu-h100-8", None)])
+def test_a_staged_train_step_compiles_for_each_chip(target, kernel, tmp_path, capsys):
+    """stage=2 x fsdp=2 x model=2 with 4 microbatches a device: splash runs in the stages on TPU, XLA's attention on
+    the H100 (cuDNN's does not under vmap); the stages pass activations by collective permutes, and the report
+    gives the bubble, (2 - 1) / (4 + 2 - 1)."""
+    spec = spec_file(tmp_path, "staged", {"stage": 2, "fsdp": 2, "model": 2}, 2, target=target)
+    code, [report], _ = aot(capsys, str(spec), "--target", target)
+    assert code == 0 and report["fits"] and report["grad_accum_steps"] == 4
+    assert report["collectives"]["collective-permute"] > 0
+    assert kernel is None or kernel in report["kernels"]
+    assert not any("cudnn" in name for name in report["kernels"])
+    assert Report(**report).bubble == 0.2
+    assert "pipeline: 2 stages, GPipe over the 4 microbatches: each stage idles 20.0% of the step" in (
+        Report(**report).text()
+    )

@@ -28,6 +28,7 @@ from axgen.build import build, output_name
 from axgen.analysis.hlo_cost import COLLECTIVES, hlo_cost
 from axgen.loader import load_spec
 from axgen.runtime.kernels import ATTENTION_KERNELS, GROUPED_MATMUL_KERNELS
+from axgen.runtime.stages import bubble
 from axgen.spec import MeshRule, Remat, display_path
 
 _ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?(\w+(?:Error|Exception): .*)$", re.MULTILINE)
@@ -91,12 +92,24 @@ class Report:
     # train step's; None where the train step did not compile.
     eval_peak_bytes: int | None = None
 
+    @property
+    def bubble(self) -> float | None:
+        """The share of a step each pipeline stage idles (GPipe); None without stages."""
+        stages = self.mesh.get("stage", 1)
+        return bubble(stages, self.grad_accum_steps) if stages > 1 else None
+
     def text(self) -> str:
         mesh = " ".join(f"{axis}={size}" for axis, size in self.mesh.items())
         lines = [
             f"{self.spec} on {self.target}: compiled for {self.compiled_for} in {self.compile_seconds:.1f}s",
             f"  mesh {mesh}; per device, {self.grad_accum_steps} x {self.microbatch} sequences (microbatches x size)",
         ]
+        if self.bubble is not None:
+            lines.append(
+                f"  pipeline: {self.mesh['stage']} stages, GPipe over the {self.grad_accum_steps} microbatches: each "
+                f"stage idles {self.bubble:.1%} of the step (the bubble); every device runs one stage, so the peak "
+                "below is each stage's"
+            )
         hbm = (
             f"{self.usable_bytes / GIB:.1f} GiB usable ({self.usable_bytes / self.hbm_bytes:.0%} of "
             f"{self.hbm_bytes / GIB:.1f} GiB HBM)"
