@@ -94,6 +94,18 @@ def python_result(*argv: str) -> subprocess.CompletedProcess:
     )
 
 
+def assert_gradients_close(grads, expected, relative: float, what: str) -> None:
+    """Each gradient equals the expected one within `relative` of the expected one's largest magnitude."""
+    import jax
+
+    for (path, grad), want in zip(
+        jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(expected), strict=True
+    ):
+        np.testing.assert_allclose(
+            grad, want, atol=relative * np.abs(want).max(), err_msg=f"{what} {jax.tree_util.keystr(path)}"
+        )
+
+
 def moe_calls(source: str) -> list[dict[str, str]]:
     """The keywords of each runtime.moe_dropless / runtime.moe_with_capacity call in a program's source, as
     source text: what the program passes the library for each moe node."""

@@ -22,7 +22,7 @@ from axgen.loader import load_spec
 from axgen.runtime.attention import causal_attention
 from axgen.runtime.context import sequence_index
 from axgen.runtime.program import Program
-from tests.conftest import ROOT
+from tests.conftest import ROOT, assert_gradients_close
 
 AXES = ("data", "fsdp", "expert", "context", "model")
 
@@ -177,15 +177,7 @@ def test_context_4_trains_as_context_1_does(context_programs):
     for documents in batches:
         (loss, grads), (split_loss, split_grads) = results["whole", documents], results["split", documents]
         np.testing.assert_allclose(split_loss, loss, rtol=1e-6)
-        for (path, grad), split_grad in zip(
-            jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(split_grads)
-        ):
-            np.testing.assert_allclose(
-                split_grad,
-                grad,
-                atol=1e-6 * np.abs(grad).max(),
-                err_msg=f"{jax.tree_util.keystr(path)}, documents packed: {documents}",
-            )
+        assert_gradients_close(split_grads, grads, 1e-6, f"documents packed: {documents}")
 
 
 def test_the_lowering_shows_the_split_and_refuses_what_it_cannot_split(tmp_path, capsys):

@@ -19,7 +19,7 @@ from axgen.runtime.program import Program
 from axgen.runtime.stages import bubble
 from axgen.spec import MESH_AXES
 from axgen.analysis.aot import Report
-from tests.conftest import ROOT
+from tests.conftest import ROOT, assert_gradients_close
 from tests.test_aot import aot
 from tests.test_context import packed_batch
 
@@ -146,15 +146,7 @@ def test_stage_2_and_4_train_as_one_stage_does(stage_programs):
             np.testing.assert_allclose(
                 float(loss), expected_loss, rtol=1e-6, err_msg=f"stage={stages} {batch}"
             )
-            for (path, grad), expected_grad in zip(
-                jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(expected_grads)
-            ):
-                np.testing.assert_allclose(
-                    grad,
-                    expected_grad,
-                    atol=1e-6 * np.abs(expected_grad).max(),
-                    err_msg=f"stage={stages} {batch} {jax.tree_util.keystr(path)}",
-                )
+            assert_gradients_close(grads, expected_grads, 1e-6, f"stage={stages} {batch}")
 
 
 def test_the_lowering_shows_the_stages_and_refuses_what_it_cannot_split(tmp_path, capsys):
