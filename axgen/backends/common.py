@@ -157,6 +157,11 @@ class Plan:
         return self.num_slices * math.ceil(self.num_devices // self.num_slices / self.chip.devices_per_host)
 
     @property
+    def stages(self) -> int:
+        """Pipeline stages: how many parts the mesh axes the rules give `layers` split a block's stacked layers into."""
+        return math.prod(dict(self.mesh)[a] for a in dict(self.logical_axis_rules)["layers"])
+
+    @property
     def usable_bytes(self) -> int:
         """Per device: what the program's allocator may take, which is what a compiled step must fit in."""
         usable = int(self.chip.hbm_bytes * (self.memory_fraction or 1))
@@ -259,7 +264,7 @@ def _check_context(plan: Plan, spec: Model) -> None:
 
 def _check_stages(plan: Plan, spec: Model) -> None:
     """Pipeline stages split one stack of identical layers into runs of consecutive layers (runtime/pipeline.py)."""
-    stages = dict(plan.mesh)["stage"]
+    stages = plan.stages
     if stages == 1:
         return
     where = f"{plan.rule.origin}: MeshRule.mesh stage={stages} (pattern {plan.rule.pattern!r})"
