@@ -163,7 +163,7 @@ class Program:
     @property
     def passes_are(self) -> str:
         """What the start line calls the batch's parts: passes, or microbatches through pipeline stages."""
-        stages = self.mesh_shape.get("stage", 1)
+        stages = math.prod(self.mesh_shape.get(axis, 1) for axis in self.logical_axis_rules.get("layers", ()))
         return f"microbatch(es) through {stages} pipeline stages" if stages > 1 else "pass(es)"
 
     def batch_shape(self, mesh, global_batch):

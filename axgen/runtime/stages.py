@@ -5,17 +5,10 @@ import jax
 import jax.numpy as jnp
 
 from axgen.runtime.sharding import constrain
-from axgen.runtime.training import accumulation_steps
+from axgen.runtime.training import traced_accumulation_steps
 
 # The stage buffer [stages, rows, seq, embed]: stage s's slot on the devices that hold stage s's layers.
 STAGE_AXES = ("layers", "batch", "seq", "embed")
-
-
-def microbatches(rows: int, microbatch: int, rules: dict) -> int:
-    """How many microbatches a batch of `rows` sequences goes through the stages in: runtime.gradients' passes of
-    `microbatch` sequences per device, under the mesh the step is compiled for."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return accumulation_steps(rows, microbatch, rules, {} if mesh.empty else dict(mesh.shape))
 
 
 def pipeline(step_fn, x, stacked, positions, segment_ids, *, stages: int, microbatch: int, rules: dict):
@@ -30,7 +23,7 @@ def pipeline(step_fn, x, stacked, positions, segment_ids, *, stages: int, microb
     that holds no microbatch and their result is dropped: the bubble, (stages - 1) / (M + stages - 1) of the
     time. Autodiff runs the iterations' backward in reverse, which is GPipe's schedule: every forward, then every
     backward, each microbatch's stage inputs kept for it (and what the layers' remat policy saves)."""
-    count = microbatches(x.shape[0], microbatch, rules)
+    count = traced_accumulation_steps(x.shape[0], microbatch, rules)  # runtime.gradients' passes
     mesh = jax.sharding.get_abstract_mesh()
     stage_axes = () if mesh.empty else tuple(a for a in rules.get("layers", ()) if mesh.shape.get(a, 1) > 1)
 

@@ -34,10 +34,10 @@ def accumulation_steps(rows: int, microbatch: int, rules: dict, mesh_shape: dict
     return per_device // microbatch
 
 
-def _accumulation_steps(batch, microbatch: int, rules: dict) -> int:
-    """accumulation_steps of a traced batch, under the mesh the step is compiled for."""
+def traced_accumulation_steps(rows: int, microbatch: int, rules: dict) -> int:
+    """accumulation_steps of a traced batch of `rows` sequences, under the mesh the step is compiled for."""
     mesh = jax.sharding.get_abstract_mesh()
-    return accumulation_steps(batch[0].shape[0], microbatch, rules, {} if mesh.empty else dict(mesh.shape))
+    return accumulation_steps(rows, microbatch, rules, {} if mesh.empty else dict(mesh.shape))
 
 
 def gradients(loss_fn, state: dict, batch, microbatch: int, specs, rules: dict, pipelined: bool = False):
@@ -56,7 +56,7 @@ def gradients(loss_fn, state: dict, batch, microbatch: int, specs, rules: dict, 
     # params travel with the batch, as an argument, into the shard_map below.
     params, batch, specs = state["params"], (state.get("frozen", {}), *batch), trained(specs, specs)
     loss_fn = functools.partial(_with_frozen, loss_fn)
-    accum_steps = 1 if pipelined else _accumulation_steps(batch[1:], microbatch, rules)
+    accum_steps = 1 if pipelined else traced_accumulation_steps(batch[1].shape[0], microbatch, rules)
     if accum_steps == 1:
         return jax.value_and_grad(loss_fn, has_aux=True)(params, *batch)
     mesh = jax.sharding.get_abstract_mesh()
@@ -135,7 +135,7 @@ def summed_over_microbatches(sums_fn, params, batch, microbatch: int, rules: dic
     device that lax.scan runs one after another, split as `gradients` splits them: an evaluation holds one pass's
     activations and logits at a time, as the train step does, and fits wherever it fits. A `pipelined` model
     takes the whole batch in one pass, as in `gradients`."""
-    accum_steps = 1 if pipelined else _accumulation_steps(batch, microbatch, rules)
+    accum_steps = 1 if pipelined else traced_accumulation_steps(batch[0].shape[0], microbatch, rules)
     if accum_steps == 1:
         return sums_fn(params, *batch)
     microbatches = _microbatches(batch, accum_steps)
