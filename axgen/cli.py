@@ -21,7 +21,14 @@ from pathlib import Path
 
 import axgen
 from axgen import progress
-from axgen.files import check_output_dir, check_output_file, write_atomically
+from axgen.files import (
+    check_not_stopped,
+    check_output_dir,
+    check_output_file,
+    forget_signals,
+    stop_on_signal,
+    write_atomically,
+)
 from axgen.loader import bundled_specs, load_spec, spec_path
 from axgen.spec import MESH_AXES, Model, SpecError
 
@@ -37,9 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (a scheduler's or `kill`'s stop) ends a command as Ctrl-C does: what it was writing is staged and
     # removed on the way out, never left half-made beside its output. Only the main thread may set a handler.
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt) if main_thread else None
+    stops = (signal.SIGINT, signal.SIGTERM) if main_thread else ()
+    previous = {number: signal.signal(number, stop_on_signal) for number in stops}
+    forget_signals()
     try:
-        return args.run(args)
+        result = args.run(args)
+        check_not_stopped()  # a stop whose KeyboardInterrupt was dropped still ends the command as one
+        return result
     except _user_errors() as err:
         _print_error(err)
         return 2
@@ -47,8 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         print("axgen: interrupted", file=sys.stderr)
         return 130
     finally:
-        if main_thread:  # called in a process that goes on (a test, a notebook): its own handler comes back
-            signal.signal(signal.SIGTERM, previous)
+        for (
+            number,
+            handler,
+        ) in previous.items():  # a process that goes on (a test, a notebook) gets its own back
+            signal.signal(number, handler)
 
 
 # The errors a command reports as one line (exit 2), by module. Only a module a command has imported can have
@@ -72,10 +86,6 @@ def _user_errors() -> tuple[type[Exception], ...]:
     return tuple(
         getattr(sys.modules[module], name) for module, name in USER_ERRORS.items() if module in sys.modules
     )
-
-
-def _interrupt(number, frame) -> typing.NoReturn:
-    raise KeyboardInterrupt
 
 
 def _print_error(err: Exception) -> None:

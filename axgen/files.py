@@ -4,6 +4,8 @@ A file (or a folder: a dataset, a checkpoint, an HF model) is written into a hid
 `.NAME.axgen-tmp-PID-XXXXXXXX`, and renamed over NAME once complete, so NAME never holds half of one. A writer
 killed before the rename (kill -9, a lost machine) leaves its temporary behind; the next write into that folder
 removes every such temporary whose writer no longer runs.
+
+Ctrl-C or SIGTERM stops a command before it renames anything (`stop_on_signal`, `check_not_stopped`).
 """
 
 from __future__ import annotations
@@ -12,11 +14,35 @@ import os
 import re
 import secrets
 import shutil
+import typing
 from pathlib import Path
 
 TEMP_MARK = ".axgen-tmp-"
 # Only names this module makes: a leading dot, the mark, the writer's pid and 8 hex digits.
 _TEMP_NAME = re.compile(r"\..+" + re.escape(TEMP_MARK) + r"(\d+)-[0-9a-f]{8}")
+
+
+# The signals a command has received. Its handler raises KeyboardInterrupt, but Python prints and drops one raised
+# while a garbage-collection callback runs (jax registers one), and the command would go on to publish its output
+# and exit 0; so each is also recorded here, and raised again before every rename that publishes an output.
+_received_signals: list[int] = []
+
+
+def stop_on_signal(number: int, frame) -> typing.NoReturn:
+    """The handler of Ctrl-C and SIGTERM while a command runs."""
+    _received_signals.append(number)
+    raise KeyboardInterrupt
+
+
+def check_not_stopped() -> None:
+    """Raises KeyboardInterrupt again when a signal arrived whose own KeyboardInterrupt may have been dropped."""
+    if _received_signals:
+        raise KeyboardInterrupt
+
+
+def forget_signals() -> None:
+    """A new command in the same process (a test, a notebook) starts with none received."""
+    _received_signals.clear()
 
 
 class OutputError(ValueError):
@@ -91,6 +117,7 @@ def write_atomically(path: Path, content: str | bytes) -> None:
         with open(fd, "wb") as f:
             os.fchmod(fd, 0o644)
             f.write(data)
+        check_not_stopped()
         os.replace(tmp, path)
     except OSError as err:
         tmp.unlink(missing_ok=True)
@@ -101,8 +128,8 @@ def write_atomically(path: Path, content: str | bytes) -> None:
 
 
 def staging_dir(path: Path) -> Path:
-    """A new, empty temporary sibling folder of `path` (0o755) to fill and then rename to `path`; the caller
-    removes it if the work fails."""
+    """A new, empty temporary sibling folder of `path` (0o755) to fill and then rename to `path` (after
+    `check_not_stopped()`); the caller removes it if the work fails."""
     tmp = _temporary_sibling(path)
     try:
         tmp.mkdir(mode=0o755)

@@ -15,7 +15,7 @@ import numpy as np
 
 from axgen.data.chat import ChatTemplate, ConversationCounts, encode_conversations
 from axgen import progress
-from axgen.files import check_replaceable, staging_dir
+from axgen.files import check_not_stopped, check_replaceable, staging_dir
 from axgen.data.inputs import (
     SKIPPED_EXAMPLES,
     DataError,
@@ -302,6 +302,7 @@ def _check_split_sizes(splits: dict, sources: list[str], skipped_count: int) -> 
 def _publish(staging: Path, out_dir: Path, overwrite: bool) -> None:
     """Renames the finished directory into place; a dataset it replaces is moved aside first and removed
     after, so the path never holds a partial one."""
+    check_not_stopped()
     if overwrite and out_dir.exists():
         old = staging.with_name(staging.name + ".old")
         out_dir.rename(old)
