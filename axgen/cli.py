@@ -58,10 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         print("axgen: interrupted", file=sys.stderr)
         return 130
     finally:
-        for (
-            number,
-            handler,
-        ) in previous.items():  # a process that goes on (a test, a notebook) gets its own back
+        # A process that goes on (a test, a notebook) gets its own handlers back.
+        for number, handler in previous.items():
             signal.signal(number, handler)
 
 
