@@ -32,14 +32,25 @@ def mesh_of(**sizes):
     return jax.make_mesh(shape, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
-def spec_file(tmp_path, name, mesh, microbatch, base="llama_tiny", features="", layers=4, target="cpu-8"):
+def spec_file(
+    tmp_path,
+    name,
+    mesh,
+    microbatch,
+    pipeline_microbatches=None,
+    base="llama_tiny",
+    features="",
+    layers=4,
+    target="cpu-8",
+):
     """A tiny spec of `layers` layers on `mesh` for `target`, with `features` added to its own."""
     path = tmp_path / f"{name}.py"
     path.write_text(
         "from axgen.spec import MeshRule\nfrom axgen.spec import features as F\n"
         f"from axgen.specs.{base} import spec as tiny\n"
         f"tiny = tiny.replace(decoder=tiny.decoder.replace(num_layers={layers}))\n"
-        f"rule = MeshRule({target!r}, {mesh!r}, why='pipeline stages under test', microbatch={microbatch})\n"
+        f"rule = MeshRule({target!r}, {mesh!r}, why='pipeline stages under test', "
+        f"microbatch={microbatch}, pipeline_microbatches={pipeline_microbatches})\n"
         f"spec = tiny.replace(mesh_rules=[rule], features=[*tiny.features, {features}], targets=[{target!r}])\n"
     )
     return path
@@ -92,22 +103,28 @@ def test_the_stages_run_the_scan_they_split_in_value_and_gradient():
 
 @pytest.fixture(scope="module")
 def stage_programs(tmp_path_factory):
-    """llama_tiny on stage=2 x fsdp=2 x model=2 and on stage=4 x model=2, microbatches of 2 sequences a device."""
+    """llama_tiny in passes of 2 sequences a device on stage=2 x fsdp=2 x model=2 (each pass 2 microbatches of 1
+    sequence, the default), and in passes of 4 on stage=4 x model=2 (2 microbatches of 2 sequences, fewer than the
+    stages)."""
     tmp_path = tmp_path_factory.mktemp("stages")
     programs = {}
-    for stages, mesh in [(2, {"stage": 2, "fsdp": 2, "model": 2}), (4, {"stage": 4, "model": 2})]:
+    for stages, mesh, passes in [
+        (2, {"stage": 2, "fsdp": 2, "model": 2}, (2, None)),
+        (4, {"stage": 4, "model": 2}, (4, 2)),
+    ]:
         out = tmp_path / f"stage_{stages}.py"
-        write_atomically(out, build(spec_file(tmp_path, f"stage_{stages}", mesh, 2), "cpu-8").source)
+        write_atomically(out, build(spec_file(tmp_path, f"stage_{stages}", mesh, *passes), "cpu-8").source)
         programs[stages] = load_program(out)
     return programs
 
 
 def test_stage_2_and_4_train_as_one_stage_does(stage_programs):
-    """The loss and every gradient of a step on stage=2 (2 microbatches a device) and stage=4 (4 microbatches)
-    equal one stage's within float32 noise: with one document a row against a step accumulated over 2 passes
-    (runtime.gradients; each pass counts the same targets, so the mean of the passes' means is the batch's), and
-    with documents packed into the rows, padding and a loss mask against one pass over the batch (the pipelined
-    step's loss is the batch's mean over its targets, as one pass's is)."""
+    """The loss and every gradient of a step of 8 sequences on stage=2 and on stage=4 equal one stage's within
+    float32 noise, each taking the batch in 2 passes whose rows are those one device's 2 passes take
+    (runtime.gradients): with one document a row, and with documents packed into the rows, padding and a loss mask
+    (the passes then count different targets, and the step's loss is the mean of the passes' means). Gradients
+    within 2e-6 of their largest magnitude: sums over the sharded passes round in another order (one element of
+    32,768 is 1.1e-6 off on stage=2)."""
     one_stage = load_program(ROOT / "generated/llama_tiny/cpu_8.py")
     params = Program.from_module(one_stage).init_params(jax.random.key(0))
     packed = tuple(x[:8] for x in packed_batch(True))
@@ -124,7 +141,7 @@ def test_stage_2_and_4_train_as_one_stage_does(stage_programs):
         (loss, _), grads = jax.jit(step)({"params": params}, batch=batch)
         return float(loss), grads
 
-    expected = {"rows alone": reference(rows_alone, 4), "packed": reference(packed, 8)}
+    expected = {"rows alone": reference(rows_alone, 4), "packed": reference(packed, 4)}
     for stages, module in stage_programs.items():
         program = Program.from_module(module)
         mesh = program.make_mesh()
@@ -135,9 +152,9 @@ def test_stage_2_and_4_train_as_one_stage_does(stage_programs):
                 microbatch=module.MICROBATCH,
                 specs=module.PARAMS,
                 rules=module.LOGICAL_AXIS_RULES,
-                pipelined=True,
             )
         )
+        assert program.accumulation_steps(8) == 2
         with jax.set_mesh(mesh):
             placed = {"params": jax.device_put(params, program.param_shardings(mesh))}
             got = {"rows alone": step(placed, batch=rows_alone), "packed": step(placed, batch=packed)}
@@ -146,25 +163,28 @@ def test_stage_2_and_4_train_as_one_stage_does(stage_programs):
             np.testing.assert_allclose(
                 float(loss), expected_loss, rtol=1e-6, err_msg=f"stage={stages} {batch}"
             )
-            assert_gradients_close(grads, expected_grads, 1e-6, f"stage={stages} {batch}")
+            assert_gradients_close(grads, expected_grads, 2e-6, f"stage={stages} {batch}")
 
 
 def test_the_lowering_shows_the_stages_and_refuses_what_it_cannot_split(tmp_path, capsys):
     """`axgen graph --after lowering` shows the decoder's scan in stages; the program runs it through
-    runtime.pipeline, with why, and takes the whole batch in one pass. More stages than layers, stages of unequal
-    layers or of part of a group, and routed experts are refused at build time naming the rule and the value, with
-    nothing written."""
+    runtime.pipeline, with why, and the train step its passes as without stages. More stages than layers, stages
+    of unequal layers or of part of a group, pipeline microbatches that do not split a pass or have no stages to go
+    through, and routed experts are refused at build time naming the rule and the value, with nothing written.
+    """
     spec = spec_file(tmp_path, "stages", {"stage": 2, "fsdp": 2, "model": 2}, 2)
     assert axgen(["graph", str(spec), "--target", "cpu-8", "--after", "lowering"]) == 0
     graph = capsys.readouterr().out
     assert (
-        "steps=4 function=decoder_layer calls=(1xdecoder_layer) stages=2 pipeline=2 stages of 2 layers"
+        "steps=4 function=decoder_layer calls=(1xdecoder_layer) stages=2 stage_microbatch=1 pipeline=2 stages of "
+        "2 layers on the mesh's stage axis, GPipe over each pass's 2 microbatches of 1 sequence(s) per device"
         in graph
     )
     source = build(spec, "cpu-8").source
     assert "layers = runtime.pipeline(\n        decoder_layer,\n        embed,\n" in source
     assert "# pipeline · 2 stages of 2 layers on the mesh's stage axis, GPipe" in source
-    assert source.count("pipelined=True") == 2 and '"layers": ("stage",),' in source
+    assert "        stages=2,\n        microbatch=1,\n" in source and '"layers": ("stage",),' in source
+    assert source.count("MICROBATCH, PARAMS, LOGICAL_AXIS_RULES)") == 1 and "MICROBATCH = 2\n" in source
     assert "runtime.pipeline(" not in build(spec_file(tmp_path, "plain", {"fsdp": 8}, 2), "cpu-8").source
     gpu = build(
         spec_file(tmp_path, "gpu", {"stage": 2, "fsdp": 2, "model": 2}, 2, target="gpu-h100-8"), "gpu-h100-8"
@@ -187,6 +207,19 @@ def test_the_lowering_shows_the_stages_and_refuses_what_it_cannot_split(tmp_path
             spec_file(tmp_path, "groups", {"stage": 4, "fsdp": 2}, 2, features=WINDOWS),
             "stage=4 does not split the 2 steps of",
         ),
+        (
+            spec_file(tmp_path, "uneven", {"stage": 2, "fsdp": 4}, 2, 3),
+            "MeshRule.pipeline_microbatches=3 (pattern 'cpu-8') does not split a pass of 2 sequences per device",
+        ),
+        (
+            spec_file(tmp_path, "unstaged", {"fsdp": 8}, 2, 2),
+            "MeshRule.pipeline_microbatches=2 (pattern 'cpu-8') splits passes for pipeline stages, and its mesh "
+            "has none",
+        ),
+        (
+            spec_file(tmp_path, "zero", {"stage": 2, "fsdp": 4}, 2, 0),
+            "MeshRule.pipeline_microbatches=0 must be > 0",
+        ),
     ]
     for bad, message in cases:
         out = tmp_path / "out.py"
@@ -200,16 +233,18 @@ def test_the_lowering_shows_the_stages_and_refuses_what_it_cannot_split(tmp_path
 @pytest.mark.slow
 @pytest.mark.parametrize(("target", "kernel"), [("tpu-v5e-8", "tpu_custom_call"), ("gpu-h100-8", None)])
 def test_a_staged_train_step_compiles_for_each_chip(target, kernel, tmp_path, capsys):
-    """stage=2 x fsdp=2 x model=2 with 4 microbatches a device: splash runs in the stages on TPU, XLA's attention on
-    the H100 (cuDNN's does not under vmap); the stages pass activations by collective permutes, and the report
-    gives the bubble, (2 - 1) / (4 + 2 - 1)."""
-    spec = spec_file(tmp_path, "staged", {"stage": 2, "fsdp": 2, "model": 2}, 2, target=target)
+    """stage=2 x fsdp=2 x model=2 in 2 passes of 4 microbatches a device: splash runs in the stages on TPU, XLA's
+    attention on the H100 (cuDNN's does not under vmap); the stages pass activations by collective permutes, and the
+    report gives the bubble, (2 - 1) / (4 + 2 - 1)."""
+    spec = spec_file(tmp_path, "staged", {"stage": 2, "fsdp": 2, "model": 2}, 4, 4, target=target)
     code, [report], _ = aot(capsys, str(spec), "--target", target)
-    assert code == 0 and report["fits"] and report["grad_accum_steps"] == 4
+    assert code == 0 and report["fits"] and report["grad_accum_steps"] == 2
+    assert report["pipeline_microbatches"] == 4
     assert report["collectives"]["collective-permute"] > 0
     assert kernel is None or kernel in report["kernels"]
     assert not any("cudnn" in name for name in report["kernels"])
     assert Report(**report).bubble == 0.2
-    assert "pipeline: 2 stages, GPipe over the 4 microbatches: each stage idles 20.0% of the step" in (
-        Report(**report).text()
+    assert (
+        "pipeline: 2 stages, GPipe over each pass's 4 microbatches: each stage idles 20.0% of the step"
+        in (Report(**report).text())
     )

@@ -91,12 +91,13 @@ class Report:
     # The eval step's (--eval-every) at the same batch, which the program checks before training as it does the
     # train step's; None where the train step did not compile.
     eval_peak_bytes: int | None = None
+    pipeline_microbatches: int | None = None  # each pass's, through the pipeline stages; None without stages
 
     @property
     def bubble(self) -> float | None:
         """The share of a step each pipeline stage idles (GPipe); None without stages."""
         stages = self.mesh.get("stage", 1)
-        return bubble(stages, self.grad_accum_steps) if stages > 1 else None
+        return bubble(stages, self.pipeline_microbatches) if stages > 1 else None
 
     def text(self) -> str:
         mesh = " ".join(f"{axis}={size}" for axis, size in self.mesh.items())
@@ -106,8 +107,8 @@ class Report:
         ]
         if self.bubble is not None:
             lines.append(
-                f"  pipeline: {self.mesh['stage']} stages, GPipe over the {self.grad_accum_steps} microbatches: each "
-                f"stage idles {self.bubble:.1%} of the step (the bubble); every device runs one stage, so the peak "
+                f"  pipeline: {self.mesh['stage']} stages, GPipe over each pass's {self.pipeline_microbatches} "
+                f"microbatches: each stage idles {self.bubble:.1%} of the step (the bubble); every device runs one stage, so the peak "
                 "below is each stage's"
             )
         hbm = (
@@ -242,6 +243,7 @@ def _compile_here(program_path: str, spec_path: str, target: str, rule: str) -> 
         mesh=dict(program.mesh_shape),
         grad_accum_steps=plan.grad_accum_steps,
         microbatch=plan.microbatch,
+        pipeline_microbatches=plan.pipeline_microbatches if plan.stages > 1 else None,
         hbm_bytes=plan.chip.hbm_bytes,
         usable_bytes=plan.usable_bytes,
     )

@@ -138,6 +138,9 @@ class Plan:
     attention_block: int | None
     microbatch: int  # sequences per device per forward/backward pass
     grad_accum_steps: int
+    pipeline_microbatches: (
+        int  # the microbatches a pass goes through pipeline stages in, where there are stages
+    )
     flags_variable: str
     xla_flags: tuple[str, ...]
     topology: str | None  # for ahead-of-time compilation; None: fake CPU devices with this mesh
@@ -221,6 +224,7 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
         attention_block=_attention_block(rule, attention, spec, dict(mesh)["context"]),
         microbatch=microbatch,
         grad_accum_steps=per_device_batch // microbatch,
+        pipeline_microbatches=rule.pipeline_microbatches or microbatch,
         flags_variable=family.flags_variable,
         xla_flags=family.xla_flags + _device_count_flags(family, per_slice * slices) + rule.xla_flags,
         topology=family.topology(per_slice) if family.topology else None,
@@ -264,8 +268,14 @@ def _check_context(plan: Plan, spec: Model) -> None:
 
 def _check_stages(plan: Plan, spec: Model) -> None:
     """Pipeline stages split one stack of identical layers into runs of consecutive layers (runtime/pipeline.py)."""
-    stages = plan.stages
+    stages, pipeline_microbatches = plan.stages, plan.rule.pipeline_microbatches
     if stages == 1:
+        if pipeline_microbatches is not None:
+            raise SpecError(
+                f"{plan.rule.origin}: MeshRule.pipeline_microbatches={pipeline_microbatches} (pattern "
+                f"{plan.rule.pattern!r}) splits passes for pipeline stages, and its mesh has none; give the mesh "
+                "a stage axis or drop pipeline_microbatches"
+            )
         return
     where = f"{plan.rule.origin}: MeshRule.mesh stage={stages} (pattern {plan.rule.pattern!r})"
     layers = spec.decoder.num_layers
@@ -276,6 +286,12 @@ def _check_stages(plan: Plan, spec: Model) -> None:
     if layers % stages:
         raise SpecError(
             f"{where} does not split Decoder.num_layers={layers} into stages of as many layers each ({spec.origin})"
+        )
+    if plan.microbatch % plan.pipeline_microbatches:
+        raise SpecError(
+            f"{plan.rule.origin}: MeshRule.pipeline_microbatches={pipeline_microbatches} (pattern "
+            f"{plan.rule.pattern!r}) does not split a pass of {plan.microbatch} sequences per device "
+            f"(MeshRule.microbatch on {plan.target}) into microbatches of as many sequences each"
         )
     moe, lora = spec.feature("moe"), spec.feature("lora")
     if moe is not None:

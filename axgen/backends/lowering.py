@@ -288,11 +288,10 @@ def scan_grouping(g: Graph, plan: Plan) -> None:
 
 def pipeline(g: Graph, plan: Plan) -> None:
     """Where the mesh splits the stacked layers into pipeline stages (the rules give `layers` the `stage` axis):
-    the decoder's scan runs as `pipeline_stages` stages of consecutive steps, GPipe's schedule over the step's
-    microbatches (runtime.pipeline), with why; the train step and the evaluation then take the whole batch in one
-    pass (`pipeline_stages` > 1 in the graph's attrs)."""
+    the decoder's scan runs as `stages` stages of consecutive steps, GPipe's schedule over each pass's
+    microbatches of `stage_microbatch` sequences per device (runtime.pipeline), with why. The train step and the
+    evaluation take their passes as without stages."""
     stages = plan.stages
-    g.attrs["pipeline_stages"] = stages
     if stages == 1:
         return
     (scan,) = g.nodes(op="scan")
@@ -302,11 +301,12 @@ def pipeline(g: Graph, plan: Plan) -> None:
             f"{scan.attrs.calls[0].per_step} layers) into stages of whole steps"
         )
     per_stage = scan.attrs.steps // stages * sum(call.per_step for call in scan.attrs.calls)
+    size = plan.microbatch // plan.pipeline_microbatches
     why = (
-        f"{stages} stages of {per_stage} layers on the mesh's stage axis, GPipe over the step's "
-        f"microbatches of MICROBATCH sequences per device ({plan.rule.provenance})"
+        f"{stages} stages of {per_stage} layers on the mesh's stage axis, GPipe over each pass's "
+        f"{plan.pipeline_microbatches} microbatches of {size} sequence(s) per device ({plan.rule.provenance})"
     )
-    g.update(scan, stages=stages, pipeline=why)
+    g.update(scan, stages=stages, stage_microbatch=size, pipeline=why)
 
 
 # The float32 logits of one chunk of the fused loss per device, at most (where the sequence halves that far), as

@@ -160,12 +160,6 @@ class Program:
         program's mesh; BatchSplitError when it does not split into them."""
         return accumulation_steps(global_batch, self.microbatch, self.logical_axis_rules, self.mesh_shape)
 
-    @property
-    def passes_are(self) -> str:
-        """What the start line calls the batch's parts: passes, or microbatches through pipeline stages."""
-        stages = math.prod(self.mesh_shape.get(axis, 1) for axis in self.logical_axis_rules.get("layers", ()))
-        return f"microbatch(es) through {stages} pipeline stages" if stages > 1 else "pass(es)"
-
     def batch_shape(self, mesh, global_batch):
         """The abstract token windows (and their segment ids and loss masks) of a global batch."""
         return jax.ShapeDtypeStruct(

@@ -78,8 +78,8 @@ def train(program: Program, args, train_data, eval_data, eval_batches, began, cr
         sharding = program.batch_sharding(mesh, args.batch)
         print(
             f"{config['model']} on {jax.device_count()} devices, mesh {program.mesh_shape}, batch {args.batch} in"
-            f" {program.accumulation_steps(args.batch)} {program.passes_are} of {program.microbatch} sequence(s) per"
-            f" device: {origin} (start-up"
+            f" {program.accumulation_steps(args.batch)} pass(es) of {program.microbatch} sequence(s) per device:"
+            f" {origin} (start-up"
             f" {started - began:.1f}s, compile {compiled - started:.1f}s, {how} {restored - compiled:.1f}s)",
             flush=True,
         )

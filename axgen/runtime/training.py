@@ -40,14 +40,13 @@ def traced_accumulation_steps(rows: int, microbatch: int, rules: dict) -> int:
     return accumulation_steps(rows, microbatch, rules, {} if mesh.empty else dict(mesh.shape))
 
 
-def gradients(loss_fn, state: dict, batch, microbatch: int, specs, rules: dict, pipelined: bool = False):
+def gradients(loss_fn, state: dict, batch, microbatch: int, specs, rules: dict):
     """((loss, metrics), grads) of `loss_fn(params, *batch)` over the whole batch, the params being the state's
     trained ones with its frozen ones (F.lora's base, `state["frozen"]`; grads hold the trained ones only), in
     passes of `microbatch` sequences per device: with more rows than one pass takes, they are summed over the
     passes, which lax.scan runs one after another, so only one pass's activations are alive at a time. Row i goes to pass i % passes: every
     pass takes rows from every device, and no tokens move. The number of passes follows from the batch (`--batch`),
-    so a larger batch keeps the pass the spec's rule sized and takes more of them. A `pipelined` model takes the
-    whole batch in one pass: its stages take the microbatches in turn (runtime.pipeline).
+    so a larger batch keeps the pass the spec's rule sized and takes more of them.
 
     Over several passes on a data x fsdp mesh, the devices along the `replica_axes` (data parallelism; slices,
     whose links are the data-centre network) sum their own passes' gradients apart and reduce them once, after the
@@ -56,7 +55,7 @@ def gradients(loss_fn, state: dict, batch, microbatch: int, specs, rules: dict, 
     # params travel with the batch, as an argument, into the shard_map below.
     params, batch, specs = state["params"], (state.get("frozen", {}), *batch), trained(specs, specs)
     loss_fn = functools.partial(_with_frozen, loss_fn)
-    accum_steps = 1 if pipelined else traced_accumulation_steps(batch[1].shape[0], microbatch, rules)
+    accum_steps = traced_accumulation_steps(batch[1].shape[0], microbatch, rules)
     if accum_steps == 1:
         return jax.value_and_grad(loss_fn, has_aux=True)(params, *batch)
     mesh = jax.sharding.get_abstract_mesh()
@@ -130,12 +129,11 @@ def _accumulated(loss_fn, params, batch, accum_steps: int, specs, rules: dict):
     return totals
 
 
-def summed_over_microbatches(sums_fn, params, batch, microbatch: int, rules: dict, pipelined: bool = False):
+def summed_over_microbatches(sums_fn, params, batch, microbatch: int, rules: dict):
     """`sums_fn(params, *batch)`, a tree of sums, over the whole batch in passes of `microbatch` sequences per
     device that lax.scan runs one after another, split as `gradients` splits them: an evaluation holds one pass's
-    activations and logits at a time, as the train step does, and fits wherever it fits. A `pipelined` model
-    takes the whole batch in one pass, as in `gradients`."""
-    accum_steps = 1 if pipelined else traced_accumulation_steps(batch[0].shape[0], microbatch, rules)
+    activations and logits at a time, as the train step does, and fits wherever it fits."""
+    accum_steps = traced_accumulation_steps(batch[0].shape[0], microbatch, rules)
     if accum_steps == 1:
         return sums_fn(params, *batch)
     microbatches = _microbatches(batch, accum_steps)

@@ -31,8 +31,10 @@ class MeshRule(SpecNode):
     multi-slice target (`tpu-v5e-256x2`) the mesh is one slice's and the slices multiply `data`.
 
     `microbatch` is the sequences each device runs per forward and backward pass: a step whose per-device batch
-    is larger accumulates gradients over `per-device batch / microbatch` passes; with pipeline stages (`stage` >
-    1) those microbatches go through the stages in turn, in one pass. `attention_block` is the query
+    is larger accumulates gradients over `per-device batch / microbatch` passes. With pipeline stages (`stage` >
+    1), each pass goes through the stages as `pipeline_microbatches` microbatches in turn (default: `microbatch`,
+    one sequence per device each); the stages idle (stages - 1) / (pipeline_microbatches + stages - 1) of a pass,
+    and each stage keeps every microbatch's input until the backward pass. `attention_block` is the query
     and key/value block length of the splash attention kernel. `memory_fraction` is the share of each device's
     memory the program's allocator takes (GPU), and what `axgen aot` checks the peak against. `moe_dispatch` is how
     a dropless MoE whose experts are split over devices moves its token copies (MOE_DISPATCHES).
@@ -49,6 +51,7 @@ class MeshRule(SpecNode):
     attention: str | None = None
     attention_block: int | None = None
     microbatch: int | None = None
+    pipeline_microbatches: int | None = None
     remat: Remat | None = None
     quantize_dtype: str | None = None
     memory_fraction: float | None = None
@@ -79,7 +82,7 @@ class MeshRule(SpecNode):
             value = getattr(self, name)
             if value is not None and value not in known:
                 self.fail(name, f"is not one of {', '.join(known)}{suggest(value, known)}")
-        for name in ("attention_block", "microbatch"):
+        for name in ("attention_block", "microbatch", "pipeline_microbatches"):
             if getattr(self, name) is not None:
                 self.require_positive(name)
         if self.moe_receive_capacity is not None:
