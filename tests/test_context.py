@@ -215,8 +215,9 @@ def test_the_planner_tries_context_splits_for_long_sequences_only(tmp_path):
     """`axgen plan` searches context shards from LONG_CONTEXT tokens on, and only where they cut the sequence
     evenly."""
     for seq_len, base, expect_context in [(32_768, "llama_tiny", True), (4096, "llama_tiny", False)]:
-        spec = load_spec(spec_file(tmp_path, f"long_{seq_len}", {"fsdp": -1}, seq_len=seq_len, base=base))
-        meshes = planner._meshes(spec, plan_for(spec, "gpu-h100-8"))
+        path = spec_file(tmp_path, f"long_{seq_len}", {"fsdp": -1}, seq_len=seq_len, base=base)
+        spec = load_spec(path)
+        meshes = planner._meshes(spec, plan_for(spec, "gpu-h100-8"), build(path, "gpu-h100-8"))
         contexts = {dict(mesh)["context"] for mesh in meshes}
         assert contexts == ({1, 2, 4, 8} if expect_context else {1}), contexts
 

@@ -11,10 +11,14 @@ import numpy as np
 import pytest
 
 from axgen import runtime
+from axgen.analysis import plan as planner
+from axgen.backends import plan_for
 from axgen.build import build
 from axgen.cli import main as axgen
 from axgen.files import write_atomically
 from axgen.interop import load_program
+from axgen.loader import load_spec
+from axgen.runtime.params import ParamSpec
 from axgen.runtime.program import Program
 from axgen.runtime.stages import bubble
 from axgen.spec import MESH_AXES
@@ -72,6 +76,10 @@ def test_the_stages_run_the_scan_they_split_in_value_and_gradient():
         "w1": 0.3 * jax.random.normal(keys[0], (8, 16, 32)),
         "w2": 0.3 * jax.random.normal(keys[1], (8, 32, 16)),
     }
+    specs = {
+        "w1": ParamSpec((8, 16, 32), ("layers", "embed", "mlp")),
+        "w2": ParamSpec((8, 32, 16), ("layers", "mlp", "embed")),
+    }
     x = jax.random.normal(keys[2], (8, 6, 16))
     segment_ids = jnp.ones((8, 6), jnp.int32).at[:, 4:].set(2)
     positions = jnp.broadcast_to(jnp.arange(6), (8, 6))
@@ -82,7 +90,15 @@ def test_the_stages_run_the_scan_they_split_in_value_and_gradient():
 
     def staged(stages, params, x):
         out = runtime.pipeline(
-            layer, x, params, positions, segment_ids, stages=stages, microbatch=1, rules=RULES
+            layer,
+            x,
+            params,
+            positions,
+            segment_ids,
+            stages=stages,
+            microbatch=1,
+            specs=specs,
+            rules=RULES,
         )
         return (out * jnp.cos(jnp.arange(16))).sum()
 
@@ -227,6 +243,21 @@ def test_the_lowering_shows_the_stages_and_refuses_what_it_cannot_split(tmp_path
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
         assert not out.exists()
+
+
+def test_the_planner_tries_stages_for_a_model_one_host_cannot_hold():
+    """`axgen plan` splits the layers into pipeline stages where they split evenly, the devices and the batch
+    allow, and the params and AdamW moments do not fit one host's devices (Llama 3.1 405B's 126 layers on 896 H100s:
+    7 or 14 stages; no mesh without stages divides its batch of 2048 there); Llama 3 8B fits a host, so no stages.
+    """
+    meshes = {}
+    for name, target in [("llama3_405b", "gpu-h100-896"), ("llama3_8b", "gpu-h100-64")]:
+        path = ROOT / f"axgen/specs/{name}.py"
+        spec = load_spec(path)
+        meshes[name] = [dict(m) for m in planner._meshes(spec, plan_for(spec, target), build(path, target))]
+    assert {mesh["stage"] for mesh in meshes["llama3_405b"]} == {7, 14}
+    assert meshes["llama3_405b"][0] == {**dict.fromkeys(MESH_AXES, 1), "stage": 7, "fsdp": 16, "model": 8}
+    assert {mesh["stage"] for mesh in meshes["llama3_8b"]} == {1}
 
 
 # slow tier: deviceless compiles for the chips (about 35 s each on 2 cores)

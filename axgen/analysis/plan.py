@@ -1,15 +1,15 @@
 """`axgen plan SPEC --target T`: the mesh rule a user would otherwise tune by hand, found by compiling.
 
-Candidates are mesh splits (data x fsdp x expert x context x model within a slice; context from LONG_CONTEXT
-tokens on) x remat policies x microbatch sizes x
+Candidates are mesh splits (data x stage x fsdp x expert x context x model within a slice; context from
+LONG_CONTEXT tokens on; pipeline stages where the layers split into them) x remat policies x microbatch sizes x
 splash block lengths (TPU). Each is compiled for the target's chips without them (`axgen aot`'s deviceless
 compile), dropped when its peak exceeds what the program's allocator takes, and ranked by an estimated step time:
 the slowest of four resources at the chip's published peak rate, as if the others overlapped with it
 (`latency-hiding` schedulers overlap collectives and host copies with compute):
 
 - compute: the FLOPs of XLA's optimized program (its dots, each loop body counted as often as it runs, so
-  recomputation and microbatching are in it) plus the model's FLOPs in kernels XLA does not see into (attention
-  kernels, MoE grouped matmuls), against peak bf16 FLOP/s;
+  recomputation, microbatching and the pipeline's bubble are in it) plus the model's FLOPs in kernels XLA does not
+  see into (attention kernels, MoE grouped matmuls; in stages, their bubble's too), against peak bf16 FLOP/s;
 - memory: bytes its top-level instructions read and write, against HBM bandwidth;
 - host: bytes offloaded to host memory and back, against the host link;
 - collectives: bytes its collectives move, against the inter-device link.
@@ -38,9 +38,9 @@ import black
 import libcst as cst
 import libcst.matchers as m
 
-from axgen.analysis.aot import AotError, Report, compile_target
+from axgen.analysis.aot import AotError, Report, candidate_rule, compile_target
 from axgen.backends import Plan, plan_for
-from axgen.backends.common import GIB, LOGICAL_AXIS_RULES
+from axgen.backends.common import GIB, LOGICAL_AXIS_RULES, stages_refused
 from axgen.build import Built, build
 from axgen.files import write_atomically
 from axgen.ir import cost
@@ -72,6 +72,10 @@ DATA_SPLITS = (1, 2, 4, 8)
 # without paying for the keys' and values' gathers.
 LONG_CONTEXT = 16_384
 CONTEXT_SPLITS = (1, 2, 4, 8, 16)
+# Pipeline stages, up to this many, where the layers split into them evenly: fewer layers a stage means fewer
+# weights its devices gather, at the cost of idle time (the bubble). Tried only for a model whose params and AdamW
+# moments do not fit one host's devices: one that fits is sharded over a host's fast links instead.
+MAX_STAGES = 16
 SPLASH_BLOCKS = (256, 512, 1024)
 BLOCKS_TRIED_ON = 3  # the best candidates whose splash block length is varied
 
@@ -121,7 +125,7 @@ class Search:
     target: str
     max_compiles: int
     log: Callable[[str], None]
-    estimate: Callable[[Report], dict[str, float]]
+    estimate: Callable[[Candidate, Report], dict[str, float]]
     outcomes: list[Outcome] = dataclasses.field(default_factory=list)
     # mesh -> the (policy, microbatch) compiles that did not fit
     out_of_memory: dict[tuple, list[tuple[str, int]]] = dataclasses.field(default_factory=dict)
@@ -139,7 +143,8 @@ class Search:
             self.outcomes.append(placeholder := Outcome(candidate, None, "compiling"))
         try:
             report = compile_target(self.spec_path, self.target, rule=candidate.fields())
-            outcome = Outcome(candidate, report, seconds=self.estimate(report) if report.fits else {})
+            seconds = self.estimate(candidate, report) if report.fits else {}
+            outcome = Outcome(candidate, report, seconds=seconds)
         except (AotError, ValueError) as err:
             outcome = Outcome(candidate, None, str(err).splitlines()[0])
         with self.lock:
@@ -163,10 +168,15 @@ def search(
     spec = load_spec(spec_path)
     plan = plan_for(spec, target)
     built = build(spec_path, target)
-    kernel_flops = _kernel_flops(built)
-    state = Search(spec_path, target, max_compiles, log, lambda r: estimate(plan, r, kernel_flops))
+
+    def estimated(candidate: Candidate, report: Report) -> dict[str, float]:
+        # The candidate's own kernels: in pipeline stages the H100 runs XLA's attention, which its HLO counts.
+        own = build(spec_path, target, candidate_rule(target, candidate.fields()))
+        return estimate(plan, report, _kernel_flops(own) / (1 - (report.bubble or 0)))
+
+    state = Search(spec_path, target, max_compiles, log, estimated)
     per_slice = plan.num_devices // plan.num_slices
-    mesh_splits = [_full(m, per_slice) for m in meshes] if meshes else _meshes(spec, plan)
+    mesh_splits = [_full(m, per_slice) for m in meshes] if meshes else _meshes(spec, plan, built)
     own = None if meshes else own_candidate(spec, plan)
     mesh_splits = [m for m in mesh_splits if _holds_the_state(m, built, plan, log)]
     policies = [p for p in POLICIES if p != "offload_dots" or "host_offload" in plan.chip.capabilities]
@@ -279,29 +289,46 @@ def _needs_no_more(compiled: tuple, mesh: tuple) -> bool:
     as many fsdp devices (so each holds no more of them, their gradients and optimizer state)."""
     compiled, mesh = dict(compiled), dict(mesh)
     return (
-        all(compiled[a] == mesh[a] for a in ("model", "expert", "context"))
+        all(compiled[a] == mesh[a] for a in ("stage", "model", "expert", "context"))
         and compiled["data"] * compiled["fsdp"] == mesh["data"] * mesh["fsdp"]
         and compiled["fsdp"] >= mesh["fsdp"]
     )
 
 
-def _meshes(spec: Model, plan: Plan) -> list[tuple[tuple[str, int], ...]]:
+def _meshes(spec: Model, plan: Plan, built: Built) -> list[tuple[tuple[str, int], ...]]:
     """Splits of one slice's devices: model and expert parallelism where the model's widths divide, data
     parallelism over a few groups, context parallelism for long sequences (not with experts of a capacity per
-    sequence), fsdp over the rest; the target's own rule first."""
+    sequence), pipeline stages where the layers split into them, fsdp over the rest; the target's own rule
+    first."""
     per_slice, seq_len = plan.num_devices // plan.num_slices, spec.train.seq_len
     attention, moe = spec.decoder.attention, spec.feature("moe")
     widths = (attention.num_heads, attention.num_kv_heads, spec.decoder.mlp.hidden_dim, spec.vocab_size)
     experts = (1, 2, 4, 8) if moe else (1,)
     capacity = moe is not None and moe.capacity_factor is not None
     contexts = [c for c in CONTEXT_SPLITS if c == 1 or (seq_len >= LONG_CONTEXT and not capacity)]
+    host = _full({"fsdp": -1}, min(plan.chip.devices_per_host, per_slice))
+    beyond_a_host = (
+        placement(built.graph, dict(plan.logical_axis_rules), dict(host)).state_bytes > plan.usable_bytes
+    )
+    stages = [
+        s for s in range(1, MAX_STAGES + 1) if s == 1 or (beyond_a_host and stages_refused(spec, s) is None)
+    ]
     found = [own_candidate(spec, plan).mesh]
-    for model, expert, data, context in itertools.product(MODEL_SPLITS, experts, DATA_SPLITS, contexts):
-        if per_slice % (model * expert * data * context) or any(w % model for w in widths):
+    for stage, model, expert, data, context in itertools.product(
+        stages, MODEL_SPLITS, experts, DATA_SPLITS, contexts
+    ):
+        if per_slice % (stage * model * expert * data * context) or any(w % model for w in widths):
             continue
         if (moe and moe.num_experts % expert) or seq_len % (2 * context):
             continue
-        split = {"data": data, "expert": expert, "context": context, "model": model, "fsdp": -1}
+        split = {
+            "data": data,
+            "stage": stage,
+            "expert": expert,
+            "context": context,
+            "model": model,
+            "fsdp": -1,
+        }
         mesh = _full(split, per_slice)
         batch_shards = math.prod(n for a, n in mesh if a in dict(LOGICAL_AXIS_RULES)["batch"])
         if mesh not in found and spec.train.global_batch % (batch_shards * plan.num_slices) == 0:

@@ -277,15 +277,10 @@ def _check_stages(plan: Plan, spec: Model) -> None:
                 "a stage axis or drop pipeline_microbatches"
             )
         return
-    where = f"{plan.rule.origin}: MeshRule.mesh stage={stages} (pattern {plan.rule.pattern!r})"
-    layers = spec.decoder.num_layers
-    if stages > layers:
+    refused = stages_refused(spec, stages)
+    if refused:
         raise SpecError(
-            f"{where} is more stages than the {layers} layers of Decoder.num_layers ({spec.origin})"
-        )
-    if layers % stages:
-        raise SpecError(
-            f"{where} does not split Decoder.num_layers={layers} into stages of as many layers each ({spec.origin})"
+            f"{plan.rule.origin}: MeshRule.mesh stage={stages} (pattern {plan.rule.pattern!r}) {refused}"
         )
     if plan.microbatch % plan.pipeline_microbatches:
         raise SpecError(
@@ -293,17 +288,30 @@ def _check_stages(plan: Plan, spec: Model) -> None:
             f"{plan.rule.pattern!r}) does not split a pass of {plan.microbatch} sequences per device "
             f"(MeshRule.microbatch on {plan.target}) into microbatches of as many sequences each"
         )
+
+
+def stages_refused(spec: Model, stages: int) -> str | None:
+    """Why the spec's layers cannot run in `stages` pipeline stages, or None: what a rule asking for them is
+    refused with, and what keeps `axgen plan` from trying them."""
+    layers = spec.decoder.num_layers
+    if stages > layers:
+        return f"is more stages than the {layers} layers of Decoder.num_layers ({spec.origin})"
+    if layers % stages:
+        return (
+            f"does not split Decoder.num_layers={layers} into stages of as many layers each ({spec.origin})"
+        )
     moe, lora = spec.feature("moe"), spec.feature("lora")
     if moe is not None:
-        raise SpecError(
-            f"{where} and the routed experts of {moe.origin}: experts under pipeline stages are not built (their "
+        return (
+            f"and the routed experts of {moe.origin}: experts under pipeline stages are not built (their "
             "auxiliary losses and expert axis would cross the stages); use fsdp, expert and model"
         )
     if lora is not None and lora.dropout:
-        raise SpecError(
-            f"{where} and F.lora(dropout={lora.dropout}) ({lora.origin}): adapters' dropout under pipeline stages "
-            "is not built; use dropout=0.0"
+        return (
+            f"and F.lora(dropout={lora.dropout}) ({lora.origin}): adapters' dropout under pipeline stages is not "
+            "built; use dropout=0.0"
         )
+    return None
 
 
 def _moe_dispatch(dispatch: str, family: Family) -> str:

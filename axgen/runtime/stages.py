@@ -4,14 +4,19 @@ each device running its own stage's layers on one microbatch while the others ru
 import jax
 import jax.numpy as jnp
 
+from axgen.runtime.params import is_param_spec
 from axgen.runtime.sharding import constrain
 from axgen.runtime.training import traced_accumulation_steps
 
 # The stage buffer [stages, rows, seq, embed]: stage s's slot on the devices that hold stage s's layers.
 STAGE_AXES = ("layers", "batch", "seq", "embed")
+# A pass's microbatches [microbatches, rows, seq, embed], in and out: each device keeps its own rows of every one.
+MICROBATCH_AXES = (None, "batch", "seq", "embed")
 
 
-def pipeline(step_fn, x, stacked, positions, segment_ids, *, stages: int, microbatch: int, rules: dict):
+def pipeline(
+    step_fn, x, stacked, positions, segment_ids, *, stages: int, microbatch: int, specs, rules: dict
+):
     """`jax.lax.scan` of `step_fn(x, params, positions, segment_ids)` over the steps of `stacked` (params
     [steps, ...]), run as `stages` stages of steps / stages each, over x's rows [batch, seq, embed] in
     microbatches of `microbatch` rows per device.
@@ -22,7 +27,12 @@ def pipeline(step_fn, x, stacked, positions, segment_ids, *, stages: int, microb
     microbatch t - stages + 1's result. In the first and last stages - 1 iterations some stages run on a slot
     that holds no microbatch and their result is dropped: the bubble, (stages - 1) / (M + stages - 1) of the
     time. Autodiff runs the iterations' backward in reverse, which is GPipe's schedule: every forward, then every
-    backward, each microbatch's stage inputs kept for it (and what the layers' remat policy saves)."""
+    backward.
+
+    Each iteration is rematerialized whole: its backward recomputes the stage's layers from the stage input it
+    kept, so a pass holds one stage input per iteration and one iteration's layer residuals (what the layers' remat
+    policy saves), not every microbatch's every layer's. `specs` gives the logical axes of `stacked`'s params.
+    """
     count = traced_accumulation_steps(x.shape[0], microbatch, rules)  # runtime.gradients' passes
     mesh = jax.sharding.get_abstract_mesh()
     stage_axes = () if mesh.empty else tuple(a for a in rules.get("layers", ()) if mesh.shape.get(a, 1) > 1)
@@ -30,31 +40,48 @@ def pipeline(step_fn, x, stacked, positions, segment_ids, *, stages: int, microb
     def split(a):  # [rows, ...] -> [microbatches, rows / microbatches, ...]; row i to microbatch i % count
         return a.reshape(-1, count, *a.shape[1:]).swapaxes(0, 1)
 
-    inputs, rows_in = split(x), (split(positions), split(segment_ids))
-    staged = jax.tree.map(lambda w: w.reshape(stages, -1, *w.shape[1:]), stacked)
+    inputs, rows_in = constrain(split(x), MICROBATCH_AXES, rules), (split(positions), split(segment_ids))
+
+    def by_layer_of_each_stage(w, spec):
+        """[layers, ...] -> [layers a stage, stages, ...], stage s's layers where they already are: a scan over
+        the layer dim never moves a stage's weights to another stage's devices (over a leading stage dim, vmap's
+        scan would transpose the weights, which XLA did by gathering every stage's on every device)."""
+        axes = spec.axes if w.ndim == len(spec.axes) else (spec.axes[0], None, *spec.axes[1:])
+        w = w.reshape(stages, -1, *w.shape[1:]).swapaxes(0, 1)
+        return constrain(w, (None, *axes), rules)
+
+    staged = jax.tree.map(by_layer_of_each_stage, stacked, specs, is_leaf=is_param_spec)
 
     def stage(x, params, positions, segment_ids):
         return jax.lax.scan(lambda x, p: (step_fn(x, p, positions, segment_ids), None), x, params)[0]
 
-    run_stages = jax.vmap(stage, spmd_axis_name=stage_axes or None)
+    # Each iteration rematerialized whole (nothing saved inside it): see the docstring.
+    run_stages = jax.checkpoint(
+        jax.vmap(stage, in_axes=(0, 1, 0, 0), spmd_axis_name=stage_axes or None),
+        policy=jax.checkpoint_policies.nothing_saveable,
+    )
 
-    def iteration(carry, t):
-        state, rows, outputs = carry
-        entering = jnp.minimum(t, count - 1)  # past the last microbatch, stage 0 runs a copy of it, dropped
-        state = constrain(state.at[0].set(inputs[entering]), STAGE_AXES, rules)
-        rows = tuple(r.at[0].set(new[entering]) for r, new in zip(rows, rows_in))
+    def iteration(carry, entering):
+        state, rows = carry
+        state = constrain(state.at[0].set(entering[0]), STAGE_AXES, rules)
+        rows = tuple(r.at[0].set(new) for r, new in zip(rows, entering[1:]))
         out = constrain(run_stages(state, staged, *rows), STAGE_AXES, rules)
-        finished = t - (stages - 1)
-        slot = jnp.maximum(finished, 0)
-        outputs = outputs.at[slot].set(jnp.where(finished >= 0, out[-1], outputs[slot]))
-        # Each stage's output to the next stage: a shift along the stage axis.
-        return (jnp.roll(out, 1, axis=0), tuple(jnp.roll(r, 1, axis=0) for r in rows), outputs), None
+        # Each stage's output to the next stage: a shift along the stage axis; the last stage's is a result.
+        shifted = (jnp.roll(out, 1, axis=0), tuple(jnp.roll(r, 1, axis=0) for r in rows))
+        return shifted, constrain(out[-1], STAGE_AXES[1:], rules)
+
+    # Stage 0 takes microbatch t at iteration t; past the last, a copy of it, whose result is dropped. The scan
+    # runs over the microbatches rather than indexing them: XLA gathered the whole pass onto every device to
+    # index one (69 GB on Llama 3.1 405B).
+    def with_bubble(a):
+        return jnp.concatenate([a, jnp.broadcast_to(a[-1:], (stages - 1, *a.shape[1:]))])
 
     # The slots start with zeros (finite through every layer) and the first microbatch's positions.
     state = jnp.zeros((stages, *inputs.shape[1:]), x.dtype)
     rows = tuple(jnp.broadcast_to(r[:1], (stages, *r.shape[1:])) for r in rows_in)
-    carry = (state, rows, jnp.zeros_like(inputs))
-    (_, _, outputs), _ = jax.lax.scan(iteration, carry, jnp.arange(count + stages - 1))
+    entering = jax.tree.map(with_bubble, (inputs, *rows_in))
+    _, finished = jax.lax.scan(iteration, (state, rows), entering)
+    outputs = constrain(finished[stages - 1 :], MICROBATCH_AXES, rules)
     return outputs.swapaxes(0, 1).reshape(x.shape)
 
 
