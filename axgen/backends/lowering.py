@@ -125,14 +125,13 @@ def context(g: Graph, plan: Plan) -> None:
 def attention_kernel(g: Graph, plan: Plan) -> None:
     """Each attention's kernel: the target's, else the first XLA path that takes what the node needs (a soft-cap or
     sinks take plain XLA ops where the kernel lacks them), with why (`kernel_why`), all by runtime/kernels.py's
-    table; in pipeline stages, one that runs under vmap. From the same entry, which the runtime runs by: the
-    splash kernel's block length (the program's SPLASH_BLOCK), how the kernel keeps each query inside its document
-    (`document_mask`), and, where v's head dim differs from q/k's (`v_head_dim`) and the kernel takes one head
-    dim, `pad_v`: v is zero-padded to q/k's head dim and the output sliced back, which is exact and costs the
-    padded channels' flops."""
+    table. From the same entry, which the runtime runs by: the splash kernel's block length (the program's
+    SPLASH_BLOCK), how the kernel keeps each query inside its document (`document_mask`), and, where v's head dim
+    differs from q/k's (`v_head_dim`) and the kernel takes one head dim, `pad_v`: v is zero-padded to q/k's head
+    dim and the output sliced back, which is exact and costs the padded channels' flops."""
     for node in g.nodes(op="attention"):
         kernel = ATTENTION_KERNELS[plan.attention]
-        why = kernel.refuses(_needs(node), plan.compute_dtype, plan.stages > 1)
+        why = kernel.refuses(_needs(node), plan.compute_dtype)
         if why is not None:
             kernel = _attention_fallback(node, plan)
         ins = g.inputs(node)

@@ -301,7 +301,6 @@ def _statement(env, graph: Graph, node: Node, param_root: str) -> str:
             attrs["lora_dropout_name"] = node.params["lora_a"].key
     if node.op == "scan":
         attrs["xs"] = _scan_xs(node, param_root)
-        attrs["xs_specs"] = _scan_xs(node, "PARAMS", regrouped=False)
         attrs["dropout"] = _dropout(graph)
     template = env.get_template(f"ops/{OPS[node.op].template}.j2").module
     statement = str(getattr(template, node.op)(node.name, attrs, args, weights)).strip()
@@ -309,15 +308,14 @@ def _statement(env, graph: Graph, node: Node, param_root: str) -> str:
     return statement if "#" in statement.splitlines()[-1] else f"{statement}  # {node.type}"
 
 
-def _scan_xs(scan: Node, param_root: str, regrouped: bool = True) -> str:
-    """The stacked params a scan runs over: one block's, or each block's of a group, regrouped per step (their
-    specs: not regrouped)."""
+def _scan_xs(scan: Node, param_root: str) -> str:
+    """The stacked params a scan runs over: one block's, or each block's of a group, regrouped per step."""
     if not scan.attrs.groups(scan.attrs.calls):
         return f'{param_root}["{scan.attrs.blocks[0]}"]'
     entries = []
     for call in scan.attrs.calls:
         stacked = f'{param_root}["{call.block}"]'
-        if call.per_step > 1 and regrouped:
+        if call.per_step > 1:
             stacked = f"regroup({stacked}, {scan.attrs.steps})"
         entries.append(f'"{call.block}": {stacked}')
     return "{" + ", ".join(entries) + "}"

@@ -36,19 +36,14 @@ class AttentionKernel:
     chip_only: bool = False
     custom_call: str | None = None
     why: str = ""
-    # Why it cannot run under pipeline stages (runtime.pipeline vmaps the layers over them); None: it can.
-    not_staged: str | None = None
 
-    def refuses(self, needs: frozenset[str], dtype: str, staged: bool = False) -> str | None:
-        """Why this kernel cannot run an attention that needs `needs` in `dtype` (in pipeline stages where
-        `staged`), else None."""
+    def refuses(self, needs: frozenset[str], dtype: str) -> str | None:
+        """Why this kernel cannot run an attention that needs `needs` in `dtype`, else None."""
         missing = sorted(needs - self.options)
         if missing:
             return f"{self.name} takes no {' or '.join(missing)} ({self.why})"
         if dtype not in self.dtypes:
             return f"{self.name} takes {' or '.join(sorted(self.dtypes))}, not {dtype}"
-        if staged and self.not_staged:
-            return f"{self.name} does not run in pipeline stages ({self.not_staged})"
         return None
 
 
@@ -97,10 +92,6 @@ ATTENTION_KERNELS: dict[str, AttentionKernel] = {
             chip_only=True,
             custom_call='__cudnn[^"]*',
             why="cuDNN's fused attention has none",
-            not_staged=(
-                "jax 0.12's batching rule for it reshapes the [batch, 1, seq, seq] document mask as if it had every "
-                "head, and the stages run the layers under vmap"
-            ),
         ),
     )
 }

@@ -3,8 +3,8 @@ each device running its own stage's layers on one microbatch while the others ru
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from axgen.runtime.params import is_param_spec
 from axgen.runtime.sharding import constrain
 from axgen.runtime.training import traced_accumulation_steps
 
@@ -14,9 +14,7 @@ STAGE_AXES = ("layers", "batch", "seq", "embed")
 MICROBATCH_AXES = (None, "batch", "seq", "embed")
 
 
-def pipeline(
-    step_fn, x, stacked, positions, segment_ids, *, stages: int, microbatch: int, specs, rules: dict
-):
+def pipeline(step_fn, x, stacked, positions, segment_ids, *, stages: int, microbatch: int, rules: dict):
     """`jax.lax.scan` of `step_fn(x, params, positions, segment_ids)` over the steps of `stacked` (params
     [steps, ...]), run as `stages` stages of steps / stages each, over x's rows [batch, seq, embed] in
     microbatches of `microbatch` rows per device.
@@ -31,8 +29,7 @@ def pipeline(
 
     Each iteration is rematerialized whole: its backward recomputes the stage's layers from the stage input it
     kept, so a pass holds one stage input per iteration and one iteration's layer residuals (what the layers' remat
-    policy saves), not every microbatch's every layer's. `specs` gives the logical axes of `stacked`'s params.
-    """
+    policy saves), not every microbatch's every layer's."""
     count = traced_accumulation_steps(x.shape[0], microbatch, rules)  # runtime.gradients' passes
     mesh = jax.sharding.get_abstract_mesh()
     stage_axes = () if mesh.empty else tuple(a for a in rules.get("layers", ()) if mesh.shape.get(a, 1) > 1)
@@ -42,24 +39,31 @@ def pipeline(
 
     inputs, rows_in = constrain(split(x), MICROBATCH_AXES, rules), (split(positions), split(segment_ids))
 
-    def by_layer_of_each_stage(w, spec):
-        """[layers, ...] -> [layers a stage, stages, ...], stage s's layers where they already are: a scan over
-        the layer dim never moves a stage's weights to another stage's devices (over a leading stage dim, vmap's
-        scan would transpose the weights, which XLA did by gathering every stage's on every device)."""
-        axes = spec.axes if w.ndim == len(spec.axes) else (spec.axes[0], None, *spec.axes[1:])
-        w = w.reshape(stages, -1, *w.shape[1:]).swapaxes(0, 1)
-        return constrain(w, (None, *axes), rules)
-
-    staged = jax.tree.map(by_layer_of_each_stage, stacked, specs, is_leaf=is_param_spec)
+    staged = jax.tree.map(lambda w: w.reshape(stages, -1, *w.shape[1:]), stacked)  # stage s's layers: [s]
 
     def stage(x, params, positions, segment_ids):
         return jax.lax.scan(lambda x, p: (step_fn(x, p, positions, segment_ids), None), x, params)[0]
 
+    if stage_axes:
+        # Each device runs its own stage's slot on its own stage's layers: a shard_map manual over the stage axes
+        # alone (the layers' own shardings over the other axes stay automatic), so the chip kernels run as
+        # outside the stages.
+        def own_stage(x, params, positions, segment_ids):
+            params = jax.tree.map(lambda w: w[0], params)
+            return stage(x[0], params, positions[0], segment_ids[0])[None]
+
+        run = jax.shard_map(
+            own_stage,
+            mesh=mesh,
+            in_specs=P(stage_axes),
+            out_specs=P(stage_axes),
+            axis_names=set(stage_axes),
+            check_vma=False,
+        )
+    else:  # one device, or stages the mesh does not split: every stage's slot there
+        run = jax.vmap(stage)
     # Each iteration rematerialized whole (nothing saved inside it): see the docstring.
-    run_stages = jax.checkpoint(
-        jax.vmap(stage, in_axes=(0, 1, 0, 0), spmd_axis_name=stage_axes or None),
-        policy=jax.checkpoint_policies.nothing_saveable,
-    )
+    run_stages = jax.checkpoint(run, policy=jax.checkpoint_policies.nothing_saveable)
 
     def iteration(carry, entering):
         state, rows = carry

@@ -2,7 +2,7 @@
 # Regenerate: axgen build llama3_405b --target gpu-h100-896
 # Mesh: data=1 stage=7 fsdp=16 expert=1 context=1 model=8 on 896 x NVIDIA H100 SXM (specs/llama3_405b.py: mesh rule 'gpu-h100-896': 405B on 896: 7 pipeline stages of 18 layers x fsdp=16 x model=8, 16 microbatches a pass)
 # Passes: rope(theta=500000.0, scaling=llama3(factor=8.0, low=1.0, high=4.0, original_max_position=8192))
-# Lowering: remat(policy=full) (specs/llama3_405b.py: mesh rule 'gpu-h100-896') · attention xla (backends/gpu.py)
+# Lowering: remat(policy=full) (specs/llama3_405b.py: mesh rule 'gpu-h100-896') · attention cudnn (backends/gpu.py)
 # Loss: runtime.lm_head_cross_entropy, the output head fused with the cross-entropy 512 positions at a time; no whole logits in a training step (backends/lowering.py)
 """llama3-405b training program for gpu-h100-896.
 
@@ -10,6 +10,7 @@ Run `python gpu_h100_896.py --data DATASET --run-dir DIR` to train on an `axgen 
 """
 
 import functools
+import os
 import sys
 
 import jax
@@ -120,6 +121,10 @@ def constrain(x, logical_axes):
 
 # --- model --------------------------------------------------------------------------------------------------
 
+# The one switch for tests: AXGEN_XLA_KERNELS=1 swaps the cudnn kernel for the XLA path so this
+# program runs on CPU; nothing else differs.
+ATTENTION_IMPL = "xla" if os.environ.get("AXGEN_XLA_KERNELS") == "1" else "cudnn"
+
 
 def document_positions(segment_ids):
     """Each token's position in its own document, [batch, seq]: positions restart at every document of a packed
@@ -181,14 +186,13 @@ def decoder_layer(x, p, positions, segment_ids):
     k_rope = runtime.rope(
         k, positions, theta=500000.0, scaling=ROPE_SCALING, rotary_dim=None, interleaved=False
     )  # [batch, seq, kv_heads=8, head_dim=128]
-    # attention · kernel xla, dense document mask (backends/gpu.py) · specs/llama3_405b.py: decoder.attention · changed by passes/rope.py
-    # xla: cudnn does not run in pipeline stages (jax 0.12's batching rule for it reshapes the [batch, 1, seq, seq] document mask as if it had every head, and the stages run the layers under vmap).
+    # attention · kernel cudnn, dense document mask (backends/gpu.py) · specs/llama3_405b.py: decoder.attention · changed by passes/rope.py
     attn = runtime.causal_attention(
         q_rope,
         k_rope,
         v,
         segment_ids,
-        implementation="xla",
+        implementation=ATTENTION_IMPL,
         block=None,
         rules=LOGICAL_AXIS_RULES,
         window=None,
@@ -240,7 +244,6 @@ def hidden_with_aux(params, tokens, segment_ids=None):
         segment_ids,
         stages=7,
         microbatch=1,
-        specs=PARAMS["layers"],
         rules=LOGICAL_AXIS_RULES,
     )  # [batch, seq, embed=16384]
     # norm · specs/llama3_8b.py: decoder.norm
