@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from axgen.analysis.hlo_cost import hlo_cost
+from axgen.analysis.hlo_cost import device_groups, hlo_cost
 
 # A TPU-style loop (no known_trip_count: the bound is the condition's constant) whose body runs a matmul spelled
 # as a convolution with the heads as a padded window, and a cuBLAS gemm outside it.
@@ -66,3 +66,42 @@ def test_scan_bodies_count_once_per_layer_where_xla_counts_them_once():
 def test_hlo_without_an_entry_is_refused():
     with pytest.raises(ValueError, match="no ENTRY computation"):
         hlo_cost("%f (x: f32[]) -> f32[] {\n}\n")
+
+
+# 16 devices, 8 a host, in each of the spellings XLA gave collectives in the compiled Llama 3.1 405B H100 step.
+ACROSS_HOSTS = """
+%add (x: bf16[], y: bf16[]) -> bf16[] {
+  %x = bf16[] parameter(0)
+  %y = bf16[] parameter(1)
+  ROOT %s = bf16[] add(%x, %y)
+}
+
+ENTRY %main (a: bf16[16,128]) -> bf16[16,128] {
+  %a = bf16[16,128]{1,0} parameter(0)
+  %in_host = bf16[16,128]{1,0} all-reduce(%a), channel_id=1, replica_groups=[2,8]<=[16], use_global_device_ids=true, to_apply=%add
+  %across = bf16[32,128]{1,0} all-gather(%a), channel_id=2, replica_groups=[8,2]<=[2,8]T(1,0), dimensions={0}, use_global_device_ids=true
+  %across_mesh = bf16[8,128]{1,0} reduce-scatter(%a), channel_id=3, replica_groups=mesh['fsdp'=2,'model'=8] {'fsdp'}, dimensions={0}, use_global_device_ids=true, to_apply=%add
+  %in_host_mesh = bf16[16,128]{1,0} all-to-all(%a), channel_id=4, replica_groups=mesh['fsdp'=2,'model'=8] {'model'}, dimensions={0}
+  %in_host_listed = bf16[64,128]{1,0} all-gather(%a), channel_id=5, replica_groups={{0,1,2,3},{4,5,6,7},{8,9,10,11},{12,13,14,15}}, dimensions={0}, use_global_device_ids=true
+  %across_pairs = bf16[16,128]{1,0} collective-permute(%a), channel_id=6, source_target_pairs={{0,8},{8,0}}
+  ROOT %out = bf16[16,128]{1,0} add(%in_host, %across_pairs)
+}
+"""
+
+
+def test_collectives_whose_groups_span_hosts_are_told_apart_in_every_spelling():
+    """Device d is on host d // 8: groups of 8 consecutive devices stay in a host, pairs 8 apart cross."""
+    assert device_groups("replica_groups=[8,2]<=[2,8]T(1,0), dimensions={0}")[:2] == [[0, 8], [1, 9]]
+    assert device_groups("replica_groups=mesh['fsdp'=2,'model'=8] {'model'}, x") == [
+        list(range(8)),
+        list(range(8, 16)),
+    ]
+    assert device_groups("replica_groups={}, to_apply=%add") is None  # one group: every device
+    cost = hlo_cost(ACROSS_HOSTS, devices_per_host=8)
+    assert cost.cross_host_bytes == {
+        "all-gather": 32 * 128 * 2,
+        "collective-permute": 16 * 128 * 2,
+        "reduce-scatter": 8 * 128 * 2,
+    }
+    assert cost.collective_bytes["all-gather"] == (32 + 64) * 128 * 2
+    assert hlo_cost(ACROSS_HOSTS).cross_host_bytes == {}

@@ -85,6 +85,8 @@ class Report:
         default_factory=dict
     )  # transfers per step over DCN, by kind
     cross_slice_bytes: float | None = None
+    # Of collective_bytes, what collectives spanning hosts move, where the chip's fast links end at the host.
+    cross_host_bytes: dict[str, float] = dataclasses.field(default_factory=dict)
     collectives: dict[str, int] = dataclasses.field(default_factory=dict)
     kernels: dict[str, int] = dataclasses.field(default_factory=dict)  # custom calls: Pallas, cuDNN, ...
     out_of_memory: str | None = None  # the compiler's own message when it refused
@@ -144,6 +146,9 @@ class Report:
             lines.append(
                 f"  between slices (DCN), per step: {transfers}; {self.cross_slice_bytes / 2**20:.1f} MiB sent"
             )
+        if self.cross_host_bytes:
+            moved = ", ".join(f"{kind} {n / 1e9:.3g} GB" for kind, n in self.cross_host_bytes.items())
+            lines.append(f"  collectives across hosts, per device per step: {moved}")
         for what, counts in (("collectives", self.collectives), ("custom-call kernels", self.kernels)):
             found = ", ".join(f"{name} {count}" for name, count in counts.items()) or "none"
             lines.append(f"  {what} in the optimized HLO: {found}")
@@ -287,7 +292,7 @@ def _compile_here(program_path: str, spec_path: str, target: str, rule: str) -> 
         host_bytes=host_bytes(memory),
         flops_per_device=program.config["flops_per_token"] * batch * seq_len / plan.num_devices,
         xla_flops_per_device=_xla_flops(compiled),
-        **_hlo_cost_fields(hlo),
+        **_hlo_cost_fields(hlo, plan),
         collectives=_count(_COLLECTIVE, hlo),
         kernels=_count(_CUSTOM_CALL, hlo),
     )
@@ -377,8 +382,10 @@ def _xla_flops(compiled) -> float | None:
     return float(cost["flops"]) if cost and cost.get("flops") else None
 
 
-def _hlo_cost_fields(hlo: str) -> dict:
-    cost = hlo_cost(hlo)
+def _hlo_cost_fields(hlo: str, plan: Plan) -> dict:
+    per_host = plan.chip.devices_per_host
+    spans_hosts = plan.chip.network_bandwidth is not None and plan.num_devices > per_host
+    cost = hlo_cost(hlo, per_host if spans_hosts else None)
     return dict(
         dot_flops=cost.dot_flops,
         memory_bytes=cost.memory_bytes,
@@ -386,6 +393,7 @@ def _hlo_cost_fields(hlo: str) -> dict:
         collective_bytes=cost.collective_bytes,
         cross_slice=cost.cross_slice,
         cross_slice_bytes=cost.cross_slice_bytes,
+        cross_host_bytes=cost.cross_host_bytes,
     )
 
 

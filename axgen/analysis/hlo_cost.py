@@ -16,6 +16,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import networkx as nx
+import numpy as np
 
 COLLECTIVES = (
     "all-gather",
@@ -43,6 +44,13 @@ _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _GEMM = re.compile(r'custom_call_target="__cublas\$(?:lt\$matmul|gemm)[^"]*"')
 _DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
 _CONTRACTING = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+# The devices each collective's groups hold, in XLA's three spellings: listed (`{{0,8},{1,9}}`), an iota reshaped
+# and transposed (`[2,8]<=[8,2]T(1,0)`), or the axes of a mesh whose devices are an iota in its order
+# (`mesh['fsdp'=128,'model'=8] {'fsdp'}`); a collective permute's (source, target) pairs.
+_LISTED = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 
 
 @dataclass(frozen=True)
@@ -71,9 +79,13 @@ class HloCost:
     # compiles each slice's program apart and writes these as host transfers to its DCN runtime ("megascale").
     cross_slice: dict[str, float]
     cross_slice_bytes: float
+    # Of collective_bytes, what collectives whose groups span hosts move (given devices_per_host; else empty).
+    cross_host_bytes: dict[str, float]
 
 
-def hlo_cost(text: str) -> HloCost:
+def hlo_cost(text: str, devices_per_host: int | None = None) -> HloCost:
+    """The step's cost; with `devices_per_host`, also which collectives cross hosts, device d being on host
+    d // devices_per_host (as jax numbers a GPU topology's devices)."""
     computations, entry = _computations(text)
     shapes = {i.name: i for body in computations.values() for i in body}
     runs = _runs(computations, entry)
@@ -83,6 +95,7 @@ def hlo_cost(text: str) -> HloCost:
     flops = memory = host = cross_slice_bytes = 0.0
     collectives: dict[str, float] = defaultdict(float)
     cross_slice: dict[str, float] = defaultdict(float)
+    cross_host: dict[str, float] = defaultdict(float)
     for name, body in computations.items():
         for instruction in body:
             times = runs.get(name, 0)
@@ -98,7 +111,10 @@ def hlo_cost(text: str) -> HloCost:
                 cross_slice[between_slices[1]] += times
                 cross_slice_bytes += times * _largest(instruction)
             if kind:
-                collectives[kind] += times * _collective_bytes(kind, instruction, shapes)
+                moved = times * _collective_bytes(kind, instruction, shapes)
+                collectives[kind] += moved
+                if devices_per_host and _spans_hosts(device_groups(instruction.attributes), devices_per_host):
+                    cross_host[kind] += moved
             elif name not in fused and instruction.op not in _FREE and not instruction.op.endswith("-done"):
                 operands = [shapes[o] for o in instruction.operands if o in shapes]
                 moved = _moved(instruction, operands, computations)
@@ -112,7 +128,40 @@ def hlo_cost(text: str) -> HloCost:
         dict(sorted(collectives.items())),
         dict(sorted(cross_slice.items())),
         cross_slice_bytes,
+        dict(sorted(cross_host.items())) if devices_per_host else {},
     )
+
+
+def device_groups(attributes: str) -> list[list[int]] | None:
+    """The devices of each group a collective runs over (a permute: each source with its target); None where its
+    attributes name none (every device, one group)."""
+    if match := _LISTED.search(attributes):
+        groups = [[int(d) for d in group.split(",") if d] for group in re.findall(r"\{([\d,]*)\}", match[1])]
+        return groups or None  # `{}`: one group of every device
+    if match := _PAIRS.search(attributes):
+        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", match[1])]
+    if match := _IOTA.search(attributes):
+        shape, dims = [int(n) for n in match[1].split(",")], [int(n) for n in match[2].split(",")]
+        iota = np.arange(math.prod(dims)).reshape(dims)
+        if match[3]:
+            iota = iota.transpose([int(n) for n in match[3].split(",")])
+        return iota.reshape(shape).tolist()
+    if match := _MESH.search(attributes):
+        axes = re.findall(r"'(\w+)'=(\d+)", match[1])
+        names, sizes = [name for name, _ in axes], [int(size) for _, size in axes]
+        grouped = [names.index(name) for name in re.findall(r"'(\w+)'", match[2])]
+        others = [i for i in range(len(names)) if i not in grouped]
+        iota = np.arange(math.prod(sizes)).reshape(sizes).transpose(others + grouped)
+        return iota.reshape(-1, math.prod(sizes[i] for i in grouped)).tolist()
+    return None
+
+
+def _spans_hosts(groups: list[list[int]] | None, devices_per_host: int) -> bool:
+    """Whether a collective's groups hold devices of more than one host (None: every device, which does when
+    there is more than one host; a caller with one host passes no devices_per_host)."""
+    if groups is None:
+        return True
+    return any(len({device // devices_per_host for device in group}) > 1 for group in groups)
 
 
 def _computations(text: str) -> tuple[dict[str, list[Instruction]], str]:

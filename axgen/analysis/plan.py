@@ -12,7 +12,8 @@ the slowest of four resources at the chip's published peak rate, as if the other
   see into (attention kernels, MoE grouped matmuls; in stages, their bubble's too), against peak bf16 FLOP/s;
 - memory: bytes its top-level instructions read and write, against HBM bandwidth;
 - host: bytes offloaded to host memory and back, against the host link;
-- collectives: bytes its collectives move, against the inter-device link.
+- collectives: bytes its collectives move, against the inter-device link; on GPUs, those of collectives whose
+  groups span hosts against the network (InfiniBand) instead.
 
 To keep the compiles few, memory decides the order. A mesh on which the params and their optimizer state alone
 cannot fit a device is pruned before anything is compiled. The target's own rule (the spec's mesh rule or the
@@ -219,12 +220,15 @@ def ranked(outcomes: list[Outcome]) -> list[Outcome]:
 
 def estimate(plan: Plan, report: Report, kernel_flops: float) -> dict[str, float]:
     """Seconds per step each resource needs at its peak rate."""
-    chip = plan.chip
+    chip, across = plan.chip, sum(report.cross_host_bytes.values())
     return {
         "compute": (report.dot_flops + kernel_flops) / chip.peak_bf16_flops,
         "memory": report.memory_bytes / chip.hbm_bandwidth,
         "host": report.host_transfer_bytes / chip.host_bandwidth,
-        "collectives": sum(report.collective_bytes.values()) / chip.link_bandwidth,
+        "collectives": (
+            (sum(report.collective_bytes.values()) - across) / chip.link_bandwidth
+            + across / (chip.network_bandwidth or chip.link_bandwidth)
+        ),
     }
 
 

@@ -55,6 +55,9 @@ class Chip:
     hbm_bandwidth: float = field(kw_only=True)  # bytes/s
     link_bandwidth: float = field(kw_only=True)  # bytes/s one way, to the devices of the same slice or host
     host_bandwidth: float = field(kw_only=True)  # bytes/s one way, to the host's memory
+    # Bytes/s one way from a device to devices on other hosts, where the fast links end at the host (GPUs); None
+    # where they span the slice (TPU's ICI) or are not modelled.
+    network_bandwidth: float | None = field(default=None, kw_only=True)
     # Devices that are one host's cores (fake CPU devices) share its memory: hbm_bytes is the host's, split among
     # the devices on it.
     shares_host_memory: bool = field(default=False, kw_only=True)

@@ -93,8 +93,9 @@ FAMILY = Family(
         devices_per_host=GPUS_PER_HOST,
         capabilities=frozenset({"host_offload", "int8", "fp8"}),
         hbm_bandwidth=H100_SXM["memory_bandwidth"],
-        link_bandwidth=450e9,  # NVLink 4: 900 GB/s both ways; across hosts InfiniBand is 50 GB/s
+        link_bandwidth=450e9,  # NVLink 4: 900 GB/s both ways, inside a host
         host_bandwidth=64e9,  # PCIe Gen5 x16
+        network_bandwidth=50e9,  # across hosts: one 400 Gb/s InfiniBand NIC per GPU
     ),
     rules=(
         # NVLink inside a host is fast enough for FSDP's all-gathers; across hosts InfiniBand is not, so replicate.
