@@ -58,9 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         print("axgen: interrupted", file=sys.stderr)
         return 130
     finally:
-        # A process that goes on (a test, a notebook) gets its own handlers back.
+        # A process that goes on (a test, a notebook) gets its own handlers back, and writes after this command
+        # are not stopped by the stop that ended it.
         for number, handler in previous.items():
             signal.signal(number, handler)
+        forget_signals()
 
 
 # The errors a command reports as one line (exit 2), by module. Only a module a command has imported can have

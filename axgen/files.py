@@ -41,7 +41,8 @@ def check_not_stopped() -> None:
 
 
 def forget_signals() -> None:
-    """A new command in the same process (a test, a notebook) starts with none received."""
+    """Forgets the stops received: a command starts and ends with none, so a process that goes on (a test, a
+    notebook) writes its later outputs."""
     _received_signals.clear()
 
 
