@@ -110,8 +110,8 @@ class Report:
         if self.bubble is not None:
             lines.append(
                 f"  pipeline: {self.mesh['stage']} stages, GPipe over each pass's {self.pipeline_microbatches} "
-                f"microbatches: each stage idles {self.bubble:.1%} of the step (the bubble); every device runs one stage, so the peak "
-                "below is each stage's"
+                f"microbatches: each stage idles {self.bubble:.1%} of the step (the bubble); every device runs one "
+                "stage, so the peak below is each stage's"
             )
         hbm = (
             f"{self.usable_bytes / GIB:.1f} GiB usable ({self.usable_bytes / self.hbm_bytes:.0%} of "

@@ -39,7 +39,7 @@ import black
 import libcst as cst
 import libcst.matchers as m
 
-from axgen.analysis.aot import AotError, Report, candidate_rule, compile_target
+from axgen.analysis.aot import AotError, Report, compile_target
 from axgen.backends import Plan, plan_for
 from axgen.backends.common import GIB, LOGICAL_AXIS_RULES, stages_refused
 from axgen.build import Built, build
@@ -126,7 +126,7 @@ class Search:
     target: str
     max_compiles: int
     log: Callable[[str], None]
-    estimate: Callable[[Candidate, Report], dict[str, float]]
+    estimate: Callable[[Report], dict[str, float]]
     outcomes: list[Outcome] = dataclasses.field(default_factory=list)
     # mesh -> the (policy, microbatch) compiles that did not fit
     out_of_memory: dict[tuple, list[tuple[str, int]]] = dataclasses.field(default_factory=dict)
@@ -144,8 +144,7 @@ class Search:
             self.outcomes.append(placeholder := Outcome(candidate, None, "compiling"))
         try:
             report = compile_target(self.spec_path, self.target, rule=candidate.fields())
-            seconds = self.estimate(candidate, report) if report.fits else {}
-            outcome = Outcome(candidate, report, seconds=seconds)
+            outcome = Outcome(candidate, report, seconds=self.estimate(report) if report.fits else {})
         except (AotError, ValueError) as err:
             outcome = Outcome(candidate, None, str(err).splitlines()[0])
         with self.lock:
@@ -169,11 +168,11 @@ def search(
     spec = load_spec(spec_path)
     plan = plan_for(spec, target)
     built = build(spec_path, target)
+    kernel_flops = _kernel_flops(built)
 
-    def estimated(candidate: Candidate, report: Report) -> dict[str, float]:
-        # The candidate's own kernels: in pipeline stages the H100 runs XLA's attention, which its HLO counts.
-        own = build(spec_path, target, candidate_rule(target, candidate.fields()))
-        return estimate(plan, report, _kernel_flops(own) / (1 - (report.bubble or 0)))
+    def estimated(report: Report) -> dict[str, float]:
+        # In pipeline stages the kernels run in the bubble's iterations too.
+        return estimate(plan, report, kernel_flops / (1 - (report.bubble or 0)))
 
     state = Search(spec_path, target, max_compiles, log, estimated)
     per_slice = plan.num_devices // plan.num_slices

@@ -21,7 +21,7 @@ GIB = 1024**3
 # and `q_lora`/`kv_lora` rules); the experts' own weights [expert, embed, mlp] have given it to `expert`. The
 # `context` axis splits each sequence (runtime/context.py) and, as MaxText's does, the weights as one more fsdp
 # axis: its devices hold different positions of the same rows, so they share the weights' gradients. The `stage`
-# axis splits a block's stacked layers into pipeline stages (runtime/pipeline.py): stage s holds the s-th run of
+# axis splits a block's stacked layers into pipeline stages (runtime/stages.py): stage s holds the s-th run of
 # consecutive layers, and runs them.
 # Every logical axis the IR names has a rule; those not listed here are replicated.
 _SHARDED = {
@@ -141,9 +141,7 @@ class Plan:
     attention_block: int | None
     microbatch: int  # sequences per device per forward/backward pass
     grad_accum_steps: int
-    pipeline_microbatches: (
-        int  # the microbatches a pass goes through pipeline stages in, where there are stages
-    )
+    pipeline_microbatches: int  # each pass's, through the pipeline stages (where there are stages)
     flags_variable: str
     xla_flags: tuple[str, ...]
     topology: str | None  # for ahead-of-time compilation; None: fake CPU devices with this mesh
@@ -270,7 +268,7 @@ def _check_context(plan: Plan, spec: Model) -> None:
 
 
 def _check_stages(plan: Plan, spec: Model) -> None:
-    """Pipeline stages split one stack of identical layers into runs of consecutive layers (runtime/pipeline.py)."""
+    """Pipeline stages split one stack of identical layers into runs of consecutive layers (runtime/stages.py)."""
     stages, pipeline_microbatches = plan.stages, plan.rule.pipeline_microbatches
     if stages == 1:
         if pipeline_microbatches is not None:

@@ -30,7 +30,8 @@ def pipeline(step_fn, x, stacked, positions, segment_ids, *, stages: int, microb
     Each iteration is rematerialized whole: its backward recomputes the stage's layers from the stage input it
     kept, so a pass holds one stage input per iteration and one iteration's layer residuals (what the layers' remat
     policy saves), not every microbatch's every layer's."""
-    count = traced_accumulation_steps(x.shape[0], microbatch, rules)  # runtime.gradients' passes
+    # The pass's microbatches, its rows split among them as runtime.gradients splits a batch into passes.
+    count = traced_accumulation_steps(x.shape[0], microbatch, rules)
     mesh = jax.sharding.get_abstract_mesh()
     stage_axes = () if mesh.empty else tuple(a for a in rules.get("layers", ()) if mesh.shape.get(a, 1) > 1)
 

@@ -12,7 +12,7 @@ from axgen.spec.validation import SpecNode, suggest
 
 # Outermost first: `model` is innermost so its collectives use the fastest links between neighbouring devices, and
 # `context` (each sequence split into shards, runtime/context.py) next to it: every layer gathers keys and values
-# over it. `stage` (pipeline stages, runtime/pipeline.py) is outer, after `data`: a stage hands one microbatch's
+# over it. `stage` (pipeline stages, runtime/stages.py) is outer, after `data`: a stage hands one microbatch's
 # activations to the next, the fewest bytes of any split, so its links may be the slowest (between hosts).
 MESH_AXES = ("data", "stage", "fsdp", "expert", "context", "model")
 ATTENTION_KERNELS = ("xla", "splash", "cudnn")
