@@ -71,7 +71,6 @@ def test_the_lowering_pads_v_only_for_kernels_that_take_one_head_dim(kernel, v_d
             attention=kernel,
             attention_block=128 if kernel == "splash" else None,
             compute_dtype="bfloat16",
-            stages=1,
         ),
     )
     [node] = g.nodes(op="attention")

@@ -1,7 +1,7 @@
 """Pipeline stages: a `stage` mesh axis splits the decoder's stacked layers into runs of consecutive layers, each
-device running its stage on one microbatch while the others run theirs (runtime.pipeline, GPipe). The proof is
-issue 39's: on the CPU mesh, stage=2 and stage=4 give one stage's loss and gradients, accumulated over passes.
-"""
+device running its stage on one microbatch while the others run theirs (runtime.pipeline): GPipe, or the circular
+schedule, whose microbatches go round the stages, each holding several runs. The proof is issue 39's: on the CPU
+mesh, stage=2 and stage=4 give one stage's loss and gradients, accumulated over passes."""
 
 import functools
 
@@ -41,6 +41,7 @@ def spec_file(
     mesh,
     microbatch,
     pipeline_microbatches=None,
+    pipeline_repeats=None,
     base="llama_tiny",
     features="",
     layers=4,
@@ -53,7 +54,8 @@ def spec_file(
         f"from axgen.specs.{base} import spec as tiny\n"
         f"tiny = tiny.replace(decoder=tiny.decoder.replace(num_layers={layers}))\n"
         f"rule = MeshRule({target!r}, {mesh!r}, why='pipeline stages under test', "
-        f"microbatch={microbatch}, pipeline_microbatches={pipeline_microbatches})\n"
+        f"microbatch={microbatch}, pipeline_microbatches={pipeline_microbatches}, "
+        f"pipeline_repeats={pipeline_repeats})\n"
         f"spec = tiny.replace(mesh_rules=[rule], features=[*tiny.features, {features}], targets=[{target!r}])\n"
     )
     return path
@@ -83,7 +85,7 @@ def test_the_stages_run_the_scan_they_split_in_value_and_gradient():
         scan = jax.lax.scan(lambda x, p: (layer(x, p, positions, segment_ids), None), x, params)[0]
         return (scan * jnp.cos(jnp.arange(16))).sum()
 
-    def staged(stages, params, x):
+    def staged(stages, repeats, microbatch, params, x):
         out = runtime.pipeline(
             layer,
             x,
@@ -91,15 +93,28 @@ def test_the_stages_run_the_scan_they_split_in_value_and_gradient():
             positions,
             segment_ids,
             stages=stages,
-            microbatch=1,
+            repeats=repeats,
+            microbatch=microbatch,
             rules=RULES,
         )
         return (out * jnp.cos(jnp.arange(16))).sum()
 
     expected, expected_grads = jax.value_and_grad(plain, (0, 1))(params, x)
-    runs = [(2, mesh_of(stage=2, fsdp=2, model=2)), (4, mesh_of(stage=4, data=2)), (4, None)]
-    for stages, mesh in runs:
-        fn = jax.jit(jax.value_and_grad(functools.partial(staged, stages), (0, 1)))
+    # (stages, repeats, rows a microbatch, mesh): GPipe, and the circular schedule going round twice (4
+    # microbatches of 1 row a device over 2 stages, each holding 2 runs of 2 layers), 4 times (2 microbatches of 2
+    # over 2 stages of 4 runs of 1 layer), and twice with fewer microbatches than stages (2 over 4 stages: the
+    # ring's 4 slots hold 2 empty ones)
+    runs = [
+        (2, 1, 1, mesh_of(stage=2, fsdp=2, model=2)),
+        (4, 1, 1, mesh_of(stage=4, data=2)),
+        (4, 1, 1, None),
+        (2, 2, 1, mesh_of(stage=2, fsdp=2, model=2)),
+        (2, 4, 2, mesh_of(stage=2, data=2, model=2)),
+        (4, 2, 2, mesh_of(stage=4, data=2)),
+        (2, 2, 1, None),
+    ]
+    for stages, repeats, microbatch, mesh in runs:
+        fn = jax.jit(jax.value_and_grad(functools.partial(staged, stages, repeats, microbatch), (0, 1)))
         if mesh is None:
             value, grads = fn(params, x)
         else:
@@ -108,18 +123,18 @@ def test_the_stages_run_the_scan_they_split_in_value_and_gradient():
         np.testing.assert_allclose(value, expected, rtol=1e-5)
         for grad, expected_grad in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads)):
             np.testing.assert_allclose(grad, expected_grad, atol=1e-4 * np.abs(expected_grad).max())
-    assert bubble(4, 4) == 3 / 7 and bubble(2, 8) == 1 / 9
+    assert bubble(4, 4) == 3 / 7 and bubble(2, 8) == 1 / 9 and bubble(4, 4, 3) == 3 / 15
 
 
 @pytest.fixture(scope="module")
 def stage_programs(tmp_path_factory):
-    """llama_tiny in passes of 2 sequences a device on stage=2 x fsdp=2 x model=2 (each pass 2 microbatches of 1
-    sequence, the default), and in passes of 4 on stage=4 x model=2 (2 microbatches of 2 sequences, fewer than the
-    stages)."""
+    """llama_tiny in passes of 2 sequences a device on stage=2 x fsdp=2 x model=2, circular (each pass 2
+    microbatches of 1 sequence, the default, going round the 2 stages twice: stage 0 holds layers 0 and 2), and in
+    passes of 4 on stage=4 x model=2 with GPipe (2 microbatches of 2 sequences, fewer than the stages)."""
     tmp_path = tmp_path_factory.mktemp("stages")
     programs = {}
     for stages, mesh, passes in [
-        (2, {"stage": 2, "fsdp": 2, "model": 2}, (2, None)),
+        (2, {"stage": 2, "fsdp": 2, "model": 2}, (2, None, 2)),
         (4, {"stage": 4, "model": 2}, (4, 2)),
     ]:
         out = tmp_path / f"stage_{stages}.py"
@@ -129,7 +144,8 @@ def stage_programs(tmp_path_factory):
 
 
 def test_stage_2_and_4_train_as_one_stage_does(stage_programs):
-    """The loss and every gradient of a step of 8 sequences on stage=2 and on stage=4 equal one stage's within
+    """The loss and every gradient of a step of 8 sequences on stage=2 (circular) and on stage=4 (GPipe) equal one
+    stage's within
     float32 noise, each taking the batch in 2 passes whose rows are those one device's 2 passes take
     (runtime.gradients): with one document a row, and with documents packed into the rows, padding and a loss mask
     (the passes then count different targets, and the step's loss is the mean of the passes' means). Gradients
@@ -180,8 +196,8 @@ def test_the_lowering_shows_the_stages_and_refuses_what_it_cannot_split(tmp_path
     """`axgen graph --after lowering` shows the decoder's scan in stages; the program runs it through
     runtime.pipeline, with why, and the train step its passes as without stages. More stages than layers, stages
     of unequal layers or of part of a group, pipeline microbatches that do not split a pass or have no stages to go
-    through, and routed experts are refused at build time naming the rule and the value, with nothing written.
-    """
+    through, rounds of the circular schedule that do not cut the layers into equal runs, and routed experts are refused at build time naming the rule and the
+    value, with nothing written."""
     spec = spec_file(tmp_path, "stages", {"stage": 2, "fsdp": 2, "model": 2}, 2)
     assert axgen(["graph", str(spec), "--target", "cpu-8", "--after", "lowering"]) == 0
     graph = capsys.readouterr().out
@@ -193,7 +209,16 @@ def test_the_lowering_shows_the_stages_and_refuses_what_it_cannot_split(tmp_path
     source = build(spec, "cpu-8").source
     assert "layers = runtime.pipeline(\n        decoder_layer,\n        embed,\n" in source
     assert "# pipeline · 2 stages of 2 layers on the mesh's stage axis, GPipe" in source
-    assert "        stages=2,\n        microbatch=1,\n" in source and '"layers": ("stage",),' in source
+    assert (
+        "        stages=2,\n        repeats=1,\n        microbatch=1,\n" in source
+        and '"layers": ("stage",),' in source
+    )
+    circular = build(spec_file(tmp_path, "circular", {"stage": 2, "fsdp": 4}, 4, 2, 2), "cpu-8").source
+    assert (
+        "# pipeline · 2 stages of 2 runs of 1 layers on the mesh's stage axis (stage s: runs s, s + 2, ...), "
+        "circular, 2 rounds over each pass's 2 microbatches of 2 sequence(s) per device" in circular
+    )
+    assert "        stages=2,\n        repeats=2,\n        microbatch=2,\n" in circular
     assert source.count("MICROBATCH, PARAMS, LOGICAL_AXIS_RULES)") == 1 and "MICROBATCH = 2\n" in source
     assert "runtime.pipeline(" not in build(spec_file(tmp_path, "plain", {"fsdp": 8}, 2), "cpu-8").source
     gpu = build(
@@ -215,7 +240,7 @@ def test_the_lowering_shows_the_stages_and_refuses_what_it_cannot_split(tmp_path
         ),
         (
             spec_file(tmp_path, "groups", {"stage": 4, "fsdp": 2}, 2, features=WINDOWS),
-            "stage=4 does not split the 2 steps of",
+            "stage=4 x pipeline_repeats=1 does not split the 2 steps of",
         ),
         (
             spec_file(tmp_path, "uneven", {"stage": 2, "fsdp": 4}, 2, 3),
@@ -223,12 +248,24 @@ def test_the_lowering_shows_the_stages_and_refuses_what_it_cannot_split(tmp_path
         ),
         (
             spec_file(tmp_path, "unstaged", {"fsdp": 8}, 2, 2),
-            "MeshRule.pipeline_microbatches=2 (pattern 'cpu-8') splits passes for pipeline stages, and its mesh "
-            "has none",
+            "MeshRule.pipeline_microbatches=2 (pattern 'cpu-8') is for pipeline stages, and its mesh has none",
         ),
         (
             spec_file(tmp_path, "zero", {"stage": 2, "fsdp": 4}, 2, 0),
             "MeshRule.pipeline_microbatches=0 must be > 0",
+        ),
+        (
+            spec_file(tmp_path, "rounds", {"stage": 2, "fsdp": 4}, 2, None, 3),
+            "MeshRule.pipeline_repeats=3 (pattern 'cpu-8') does not cut Decoder.num_layers=4 into 2 stages x 3 "
+            "runs of as many layers each",
+        ),
+        (
+            spec_file(tmp_path, "round", {"fsdp": 8}, 2, None, 2),
+            "MeshRule.pipeline_repeats=2 (pattern 'cpu-8') is for pipeline stages, and its mesh has none",
+        ),
+        (
+            spec_file(tmp_path, "never", {"stage": 2, "fsdp": 4}, 2, None, -1),
+            "MeshRule.pipeline_repeats=-1 must be > 0",
         ),
     ]
     for bad, message in cases:
@@ -243,13 +280,19 @@ def test_the_planner_tries_stages_for_a_model_one_host_cannot_hold():
     """`axgen plan` splits the layers into pipeline stages where they split evenly, the devices and the batch
     allow, and the params and AdamW moments do not fit one host's devices (Llama 3.1 405B's 126 layers on 896 H100s:
     7 or 14 stages; no mesh without stages divides its batch of 2048 there); Llama 3 8B fits a host, so no stages.
-    """
-    meshes = {}
+    The search tries GPipe; the target's own rule keeps its circular schedule."""
+    meshes, own = {}, {}
     for name, target in [("llama3_405b", "gpu-h100-896"), ("llama3_8b", "gpu-h100-64")]:
         path = ROOT / f"axgen/specs/{name}.py"
         spec = load_spec(path)
-        meshes[name] = [dict(m) for m in planner._meshes(spec, plan_for(spec, target), build(path, target))]
+        plan = plan_for(spec, target)
+        meshes[name] = [dict(m) for m in planner._meshes(spec, plan, build(path, target))]
+        own[name] = planner.own_candidate(spec, plan)
     assert {mesh["stage"] for mesh in meshes["llama3_405b"]} == {7, 14}
+    # The spec's own rule, compiled first, keeps its circular schedule.
+    assert own["llama3_405b"].fields()["pipeline_repeats"] == 2
+    assert own["llama3_405b"].mesh_text() == "stage=7 fsdp=16 model=8 x2 rounds"
+    assert "pipeline_repeats" not in own["llama3_8b"].fields()
     assert meshes["llama3_405b"][0] == {**dict.fromkeys(MESH_AXES, 1), "stage": 7, "fsdp": 16, "model": 8}
     assert {mesh["stage"] for mesh in meshes["llama3_8b"]} == {1}
 
@@ -257,21 +300,25 @@ def test_the_planner_tries_stages_for_a_model_one_host_cannot_hold():
 # slow tier: deviceless compiles for the chips (about 35 s each on 2 cores)
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("target", "kernel"), [("tpu-v5e-8", "tpu_custom_call"), ("gpu-h100-8", "__cudnn$fmhaScaleBiasSoftmax")]
+    ("target", "kernel", "repeats", "schedule"),
+    [
+        ("tpu-v5e-8", "tpu_custom_call", 2, "circular (2 rounds)"),
+        ("gpu-h100-8", "__cudnn$fmhaScaleBiasSoftmax", 1, "GPipe"),
+    ],
 )
-def test_a_staged_train_step_compiles_for_each_chip(target, kernel, tmp_path, capsys):
-    """stage=2 x fsdp=2 x model=2 in 2 passes of 4 microbatches a device: the chip's attention kernel runs in the
-    stages (splash on TPU, cuDNN on the H100: each device runs its own stage in a shard_map manual over the stage
-    axis); the stages pass activations by collective permutes, and the report gives the bubble,
-    (2 - 1) / (4 + 2 - 1)."""
-    spec = spec_file(tmp_path, "staged", {"stage": 2, "fsdp": 2, "model": 2}, 4, 4, target=target)
+def test_a_staged_train_step_compiles_for_each_chip(target, kernel, repeats, schedule, tmp_path, capsys):
+    """stage=2 x fsdp=2 x model=2 in 2 passes of 4 microbatches a device, circular on the TPU and GPipe on the
+    H100: the chip's attention kernel runs in the stages (splash on TPU, cuDNN on the H100: each device runs its
+    own stage in a shard_map manual over the stage axis); the stages pass activations by collective permutes, and
+    the report gives the bubble, (2 - 1) / (repeats x 4 + 2 - 1)."""
+    spec = spec_file(tmp_path, "staged", {"stage": 2, "fsdp": 2, "model": 2}, 4, 4, repeats, target=target)
     code, [report], _ = aot(capsys, str(spec), "--target", target)
     assert code == 0 and report["fits"] and report["grad_accum_steps"] == 2
-    assert report["pipeline_microbatches"] == 4
+    assert report["pipeline_microbatches"] == 4 and report["pipeline_repeats"] == repeats
     assert report["collectives"]["collective-permute"] > 0
     assert kernel in report["kernels"]
-    assert Report(**report).bubble == 0.2
+    assert Report(**report).bubble == 1 / (repeats * 4 + 1)
     assert (
-        "pipeline: 2 stages, GPipe over each pass's 4 microbatches: each stage idles 20.0% of the step"
-        in (Report(**report).text())
+        f"pipeline: 2 stages, {schedule} over each pass's 4 microbatches: each stage idles "
+        f"{1 / (repeats * 4 + 1):.1%} of the step" in Report(**report).text()
     )

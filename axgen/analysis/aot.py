@@ -94,12 +94,13 @@ class Report:
     # train step's; None where the train step did not compile.
     eval_peak_bytes: int | None = None
     pipeline_microbatches: int | None = None  # each pass's, through the pipeline stages; None without stages
+    pipeline_repeats: int = 1  # rounds of the stages each microbatch takes (circular schedule)
 
     @property
     def bubble(self) -> float | None:
-        """The share of a step each pipeline stage idles (GPipe); None without stages."""
+        """The share of a step each pipeline stage idles; None without stages."""
         stages = self.mesh.get("stage", 1)
-        return bubble(stages, self.pipeline_microbatches) if stages > 1 else None
+        return bubble(stages, self.pipeline_microbatches, self.pipeline_repeats) if stages > 1 else None
 
     def text(self) -> str:
         mesh = " ".join(f"{axis}={size}" for axis, size in self.mesh.items())
@@ -108,8 +109,9 @@ class Report:
             f"  mesh {mesh}; per device, {self.grad_accum_steps} x {self.microbatch} sequences (microbatches x size)",
         ]
         if self.bubble is not None:
+            schedule = "GPipe" if self.pipeline_repeats == 1 else f"circular ({self.pipeline_repeats} rounds)"
             lines.append(
-                f"  pipeline: {self.mesh['stage']} stages, GPipe over each pass's {self.pipeline_microbatches} "
+                f"  pipeline: {self.mesh['stage']} stages, {schedule} over each pass's {self.pipeline_microbatches} "
                 f"microbatches: each stage idles {self.bubble:.1%} of the step (the bubble); every device runs one "
                 "stage, so the peak below is each stage's"
             )
@@ -249,6 +251,7 @@ def _compile_here(program_path: str, spec_path: str, target: str, rule: str) -> 
         grad_accum_steps=plan.grad_accum_steps,
         microbatch=plan.microbatch,
         pipeline_microbatches=plan.pipeline_microbatches if plan.stages > 1 else None,
+        pipeline_repeats=plan.pipeline_repeats,
         hbm_bytes=plan.chip.hbm_bytes,
         usable_bytes=plan.usable_bytes,
     )

@@ -87,15 +87,18 @@ class Candidate:
     microbatch: int
     remat: str
     attention_block: int | None = None
+    pipeline_repeats: int = 1  # the target's own rule's; the search tries GPipe
 
     def fields(self) -> dict:
         """The mesh rule's fields (`aot.candidate_rule`)."""
         fields = {"mesh": {a: n for a, n in self.mesh if n > 1} or {"fsdp": 1}, "microbatch": self.microbatch}
         fields["remat"] = self.remat
+        fields |= {"pipeline_repeats": self.pipeline_repeats} if self.pipeline_repeats > 1 else {}
         return fields | ({"attention_block": self.attention_block} if self.attention_block else {})
 
     def mesh_text(self) -> str:
-        return " ".join(f"{a}={n}" for a, n in self.mesh if n > 1) or "1 device"
+        circular = f" x{self.pipeline_repeats} rounds" if self.pipeline_repeats > 1 else ""
+        return " ".join(f"{a}={n}" for a, n in self.mesh if n > 1) + circular or "1 device"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -205,7 +208,9 @@ def own_candidate(spec: Model, plan: Plan) -> Candidate:
     """The target's own rule (the spec's mesh rule for it, or the backend's) as a candidate: one slice's mesh."""
     remat = spec.feature("remat") or plan.remat
     mesh = tuple((a, n // (plan.num_slices if a == "data" else 1)) for a, n in plan.mesh)
-    return Candidate(mesh, plan.microbatch, remat.policy if remat else "none", plan.attention_block)
+    return Candidate(
+        mesh, plan.microbatch, remat.policy if remat else "none", plan.attention_block, plan.pipeline_repeats
+    )
 
 
 def ranked(outcomes: list[Outcome]) -> list[Outcome]:

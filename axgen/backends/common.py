@@ -142,6 +142,9 @@ class Plan:
     microbatch: int  # sequences per device per forward/backward pass
     grad_accum_steps: int
     pipeline_microbatches: int  # each pass's, through the pipeline stages (where there are stages)
+    pipeline_repeats: (
+        int  # times each microbatch goes round the stages: 1, GPipe; more, the circular schedule
+    )
     flags_variable: str
     xla_flags: tuple[str, ...]
     topology: str | None  # for ahead-of-time compilation; None: fake CPU devices with this mesh
@@ -226,6 +229,7 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
         microbatch=microbatch,
         grad_accum_steps=per_device_batch // microbatch,
         pipeline_microbatches=rule.pipeline_microbatches or microbatch,
+        pipeline_repeats=rule.pipeline_repeats or 1,
         flags_variable=family.flags_variable,
         xla_flags=family.xla_flags + _device_count_flags(family, per_slice * slices) + rule.xla_flags,
         topology=family.topology(per_slice) if family.topology else None,
@@ -269,24 +273,29 @@ def _check_context(plan: Plan, spec: Model) -> None:
 
 def _check_stages(plan: Plan, spec: Model) -> None:
     """Pipeline stages split one stack of identical layers into runs of consecutive layers (runtime/stages.py)."""
-    stages, pipeline_microbatches = plan.stages, plan.rule.pipeline_microbatches
+    stages, rule = plan.stages, plan.rule
     if stages == 1:
-        if pipeline_microbatches is not None:
-            raise SpecError(
-                f"{plan.rule.origin}: MeshRule.pipeline_microbatches={pipeline_microbatches} (pattern "
-                f"{plan.rule.pattern!r}) splits passes for pipeline stages, and its mesh has none; give the mesh "
-                "a stage axis or drop pipeline_microbatches"
-            )
+        for name in ("pipeline_microbatches", "pipeline_repeats"):
+            if getattr(rule, name) is not None:
+                raise SpecError(
+                    f"{rule.origin}: MeshRule.{name}={getattr(rule, name)} (pattern {rule.pattern!r}) is for "
+                    f"pipeline stages, and its mesh has none; give the mesh a stage axis or drop {name}"
+                )
         return
     refused = stages_refused(spec, stages)
     if refused:
+        raise SpecError(f"{rule.origin}: MeshRule.mesh stage={stages} (pattern {rule.pattern!r}) {refused}")
+    repeats, layers = plan.pipeline_repeats, spec.decoder.num_layers
+    if layers % (stages * repeats):
         raise SpecError(
-            f"{plan.rule.origin}: MeshRule.mesh stage={stages} (pattern {plan.rule.pattern!r}) {refused}"
+            f"{rule.origin}: MeshRule.pipeline_repeats={repeats} (pattern {rule.pattern!r}) does not cut "
+            f"Decoder.num_layers={layers} into {stages} stages x {repeats} runs of as many layers each "
+            f"({spec.origin})"
         )
     if plan.microbatch % plan.pipeline_microbatches:
         raise SpecError(
-            f"{plan.rule.origin}: MeshRule.pipeline_microbatches={pipeline_microbatches} (pattern "
-            f"{plan.rule.pattern!r}) does not split a pass of {plan.microbatch} sequences per device "
+            f"{rule.origin}: MeshRule.pipeline_microbatches={rule.pipeline_microbatches} (pattern "
+            f"{rule.pattern!r}) does not split a pass of {plan.microbatch} sequences per device "
             f"(MeshRule.microbatch on {plan.target}) into microbatches of as many sequences each"
         )
 

@@ -287,25 +287,33 @@ def scan_grouping(g: Graph, plan: Plan) -> None:
 
 def pipeline(g: Graph, plan: Plan) -> None:
     """Where the mesh splits the stacked layers into pipeline stages (the rules give `layers` the `stage` axis):
-    the decoder's scan runs as `stages` stages of consecutive steps, GPipe's schedule over each pass's
-    microbatches of `stage_microbatch` sequences per device (runtime.pipeline), with why. The train step and the
-    evaluation take their passes as without stages."""
-    stages = plan.stages
+    the decoder's scan runs as `stages` stages of consecutive steps (GPipe), or of `stage_repeats` runs of them
+    each that the microbatches go round (circular), over each pass's microbatches of `stage_microbatch` sequences
+    per device (runtime.pipeline), with why. The train step and the evaluation take their passes as without
+    stages."""
+    stages, repeats = plan.stages, plan.pipeline_repeats
     if stages == 1:
         return
     (scan,) = g.nodes(op="scan")
-    if scan.attrs.steps % stages:
+    if scan.attrs.steps % (stages * repeats):
         raise GraphError(
-            f"{plan.rule.provenance}: stage={stages} does not split the {scan.attrs.steps} steps of {scan} (groups of "
-            f"{scan.attrs.calls[0].per_step} layers) into stages of whole steps"
+            f"{plan.rule.provenance}: stage={stages} x pipeline_repeats={repeats} does not split the "
+            f"{scan.attrs.steps} steps of {scan} (groups of {scan.attrs.calls[0].per_step} layers) into runs of "
+            "whole steps"
         )
-    per_stage = scan.attrs.steps // stages * sum(call.per_step for call in scan.attrs.calls)
+    per_run = scan.attrs.steps // (stages * repeats) * sum(call.per_step for call in scan.attrs.calls)
     size = plan.microbatch // plan.pipeline_microbatches
-    why = (
-        f"{stages} stages of {per_stage} layers on the mesh's stage axis, GPipe over each pass's "
-        f"{plan.pipeline_microbatches} microbatches of {size} sequence(s) per device ({plan.rule.provenance})"
+    schedule = (
+        f"{stages} stages of {per_run} layers on the mesh's stage axis, GPipe"
+        if repeats == 1
+        else f"{stages} stages of {repeats} runs of {per_run} layers on the mesh's stage axis (stage s: runs s, "
+        f"s + {stages}, ...), circular, {repeats} rounds"
     )
-    g.update(scan, stages=stages, stage_microbatch=size, pipeline=why)
+    why = (
+        f"{schedule} over each pass's {plan.pipeline_microbatches} microbatches of {size} sequence(s) per device "
+        f"({plan.rule.provenance})"
+    )
+    g.update(scan, stages=stages, stage_repeats=repeats, stage_microbatch=size, pipeline=why)
 
 
 # The float32 logits of one chunk of the fused loss per device, at most (where the sequence halves that far), as

@@ -146,9 +146,11 @@ class ScanAttrs(Attrs):
     function: str | None = None
     calls: tuple[ScanCall, ...] = ()
     returns_aux: bool = False
-    # Pipeline stages (the lowering's `pipeline` step): how many, the sequences per device of each microbatch they
-    # take in turn, and the program's comment on them.
+    # Pipeline stages (the lowering's `pipeline` step): how many, the times each microbatch goes round them (1:
+    # GPipe; more: circular), the sequences per device of each microbatch they take in turn, and the program's
+    # comment on them.
     stages: int = 1
+    stage_repeats: int = 1
     stage_microbatch: int | None = None
     pipeline: str | None = None
 

@@ -33,9 +33,13 @@ class MeshRule(SpecNode):
     `microbatch` is the sequences each device runs per forward and backward pass: a step whose per-device batch
     is larger accumulates gradients over `per-device batch / microbatch` passes. With pipeline stages (`stage` >
     1), each pass goes through the stages as `pipeline_microbatches` microbatches in turn (default: `microbatch`,
-    one sequence per device each); the stages idle (stages - 1) / (pipeline_microbatches + stages - 1) of a pass,
-    and each stage keeps every microbatch's input until the backward pass. `attention_block` is the query
-    and key/value block length of the splash attention kernel. `memory_fraction` is the share of each device's
+    one sequence per device each); each stage keeps every microbatch's input until the backward pass.
+    `pipeline_repeats` cuts the layers into stages x repeats runs, stage s holding runs s, s + stages, ..., and
+    sends each microbatch round the stages that many times (the circular schedule; default 1: GPipe, one run of
+    consecutive layers a stage); the stages idle (stages - 1) / (repeats x pipeline_microbatches + stages - 1) of a
+    pass (with at least as many microbatches as stages), and a stage keeps repeats times as many inputs, each of a
+    run repeats times shorter. `attention_block` is the query and key/value block length of the splash attention
+    kernel. `memory_fraction` is the share of each device's
     memory the program's allocator takes (GPU), and what `axgen aot` checks the peak against. `moe_dispatch` is how
     a dropless MoE whose experts are split over devices moves its token copies (MOE_DISPATCHES).
     `moe_receive_capacity` bounds the all_to_all dispatch: each device takes at most that factor of its even share
@@ -52,6 +56,7 @@ class MeshRule(SpecNode):
     attention_block: int | None = None
     microbatch: int | None = None
     pipeline_microbatches: int | None = None
+    pipeline_repeats: int | None = None
     remat: Remat | None = None
     quantize_dtype: str | None = None
     memory_fraction: float | None = None
@@ -82,7 +87,7 @@ class MeshRule(SpecNode):
             value = getattr(self, name)
             if value is not None and value not in known:
                 self.fail(name, f"is not one of {', '.join(known)}{suggest(value, known)}")
-        for name in ("attention_block", "microbatch", "pipeline_microbatches"):
+        for name in ("attention_block", "microbatch", "pipeline_microbatches", "pipeline_repeats"):
             if getattr(self, name) is not None:
                 self.require_positive(name)
         if self.moe_receive_capacity is not None:
