@@ -110,6 +110,35 @@ def test_a_policy_is_not_compiled_where_one_keeping_no_more_already_did_not_fit(
     assert compiled == [("offload_dots", m) for m in (16, 8, 4, 2)] + full
 
 
+def test_a_staged_pass_that_fits_is_also_tried_going_round_the_stages_twice():
+    """Llama 3.1 405B's 126 layers on 896 H100s: over 7 stages, the largest pass that fits (32 sequences a device,
+    32 microbatches) is compiled again circular, 2 rounds of 7 x 2 runs of 9 layers. Not over 14 stages (126 layers
+    are not 28 equal runs), nor without stages; and not for a pass of fewer microbatches than stages, whose rounds
+    would leave as many slots empty as the bubble they save."""
+    spec = load_spec(ROOT / "axgen/specs/llama3_405b.py")
+    plan = plan_for(spec, "gpu-h100-896")
+    compiled = []
+
+    def compile_candidate(candidate):
+        compiled.append((candidate.microbatch, candidate.pipeline_repeats))
+        report = types.SimpleNamespace(fits=candidate.microbatch <= fits_at)
+        return types.SimpleNamespace(fits=report.fits, report=report)
+
+    state = types.SimpleNamespace(out_of_memory={}, compile=compile_candidate, outcomes=[], log=print)
+    runs = {
+        (7, 32): [(128, 1), (64, 1), (32, 1), (32, 2)],
+        (14, 32): [(256, 1), (128, 1), (64, 1), (32, 1)],
+        (7, 4): [(128, 1), (64, 1), (32, 1), (16, 1), (8, 1), (4, 1)],
+        (1, 2): [(16, 1), (8, 1), (4, 1), (2, 1)],  # on 1024 devices: fsdp=128
+    }
+    for (stages, fits_at), expected in runs.items():
+        compiled.clear()
+        state.out_of_memory.clear()
+        mesh = planning._full({"stage": stages, "model": 8, "fsdp": -1}, 896 if stages > 1 else 1024)
+        planning._frontier(state, spec, plan, mesh, "full", None)
+        assert compiled == expected, (stages, fits_at)
+
+
 def test_a_pass_whose_least_possible_peak_is_over_the_budget_is_pruned_without_compiling():
     """A compile at 16 sequences per pass whose temporaries are twice what the device has: at 8 they are at least
     half of that, which with the rest of the peak is still over, so 8 is pruned and said so; 4 is compiled."""
@@ -156,6 +185,9 @@ def test_a_compile_bounds_the_meshes_that_shard_the_params_less_finely():
         )
         is None
     )
+    # The circular schedule keeps more than GPipe at the same pass: its compiles bound no GPipe pass.
+    circular = planning.Candidate(fsdp8, 64, "none", pipeline_repeats=2)
+    assert planning._least_peak([planning.Outcome(circular, report)], fsdp8, "none", 1) is None
 
 
 def test_a_tpu_refusal_s_temporaries_bound_the_smaller_passes():

@@ -77,6 +77,9 @@ CONTEXT_SPLITS = (1, 2, 4, 8, 16)
 # weights its devices gather, at the cost of idle time (the bubble). Tried only for a model whose params and AdamW
 # moments do not fit one host's devices: one that fits is sharded over a host's fast links instead.
 MAX_STAGES = 16
+# A staged pass that fits is also tried going round its stages this many times (the circular schedule): about that
+# many times less bubble, for more memory.
+CIRCULAR_ROUNDS = 2
 SPLASH_BLOCKS = (256, 512, 1024)
 BLOCKS_TRIED_ON = 3  # the best candidates whose splash block length is varied
 
@@ -87,7 +90,7 @@ class Candidate:
     microbatch: int
     remat: str
     attention_block: int | None = None
-    pipeline_repeats: int = 1  # the target's own rule's; the search tries GPipe
+    pipeline_repeats: int = 1  # 1: GPipe; more: the circular schedule's rounds
 
     def fields(self) -> dict:
         """The mesh rule's fields (`aot.candidate_rule`)."""
@@ -239,7 +242,8 @@ def estimate(plan: Plan, report: Report, kernel_flops: float) -> dict[str, float
 def _frontier(state: Search, spec: Model, plan: Plan, mesh: tuple, policy: str, block: int | None) -> None:
     """The largest microbatch that fits on this mesh under this policy, largest first, skipping sizes that cannot
     fit without compiling them: those at or above one where a policy keeping no more already did not, and those
-    whose least possible peak, learnt from the compiles so far, exceeds what the device has."""
+    whose least possible peak, learnt from the compiles so far, exceeds what the device has. A staged pass that
+    fits is also compiled circular (`_goes_round`)."""
     failed = state.out_of_memory.setdefault(mesh, [])
     for microbatch in _microbatches(spec, plan, mesh):
         if any(KEPT_ON_DEVICE[p] <= KEPT_ON_DEVICE[policy] and m <= microbatch for p, m in failed):
@@ -252,10 +256,20 @@ def _frontier(state: Search, spec: Model, plan: Plan, mesh: tuple, policy: str, 
             )
             continue
         outcome = state.compile(Candidate(mesh, microbatch, policy, block))
+        if outcome is not None and outcome.fits and _goes_round(spec, mesh, microbatch):
+            state.compile(Candidate(mesh, microbatch, policy, block, CIRCULAR_ROUNDS))
         if outcome is None or outcome.fits:
             return
         if outcome.report is not None:  # out of memory, not a failure of another kind
             failed.append((policy, microbatch))
+
+
+def _goes_round(spec: Model, mesh: tuple, microbatch: int) -> bool:
+    """Whether a staged pass of `microbatch` sequences a device gains from the circular schedule: its layers cut
+    into stages x CIRCULAR_ROUNDS equal runs, and at least as many microbatches (of one sequence) as stages, without
+    which a round's slots stand empty as long as the bubble it saves."""
+    stages = dict(mesh)["stage"]
+    return stages > 1 and spec.decoder.num_layers % (stages * CIRCULAR_ROUNDS) == 0 and microbatch >= stages
 
 
 def _least_peak(outcomes: list[Outcome], mesh: tuple, policy: str, microbatch: int) -> int | None:
@@ -264,7 +278,8 @@ def _least_peak(outcomes: list[Outcome], mesh: tuple, policy: str, microbatch: i
     shards the params at least as finely (`_needs_no_more`). A pass's temporaries are a part that does not depend
     on its size (gradients, gathered weights) plus activations in proportion to it, so at m' < m they are at least
     temp(m) * m' / m; the rest of the peak (params, optimizer state) does not change. A compile the TPU compiler
-    refused says only its temporaries, which bound the peak from below alone."""
+    refused says only its temporaries, which bound the peak from below alone. The circular schedule's compiles
+    bound nothing: they keep more than GPipe's at the same pass (their queue, more stage inputs)."""
     bounds = [
         (o.report.peak_bytes or o.report.temp_bytes)
         - o.report.temp_bytes * (1 - microbatch / o.candidate.microbatch)
@@ -273,6 +288,7 @@ def _least_peak(outcomes: list[Outcome], mesh: tuple, policy: str, microbatch: i
         and o.report.temp_bytes is not None
         and _needs_no_more(o.candidate.mesh, mesh)
         and o.candidate.microbatch >= microbatch
+        and o.candidate.pipeline_repeats == 1
         and KEPT_ON_DEVICE[o.candidate.remat] <= KEPT_ON_DEVICE[policy]
     ]
     return int(max(bounds)) if bounds else None
