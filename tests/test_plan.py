@@ -137,6 +137,17 @@ def test_a_staged_pass_that_fits_is_also_tried_going_round_the_stages_twice():
         mesh = planning._full({"stage": stages, "model": 8, "fsdp": -1}, 896 if stages > 1 else 1024)
         planning._frontier(state, spec, plan, mesh, "full", None)
         assert compiled == expected, (stages, fits_at)
+    # The table's mesh column is as wide as a circular candidate's name.
+    mesh = planning._full({"stage": 7, "model": 8, "fsdp": -1}, 896)
+    report = types.SimpleNamespace(fits=True, peak_bytes=2**36)
+    seconds = {"compute": 70.0, "memory": 30.0, "host": 0.0, "collectives": 150.0}
+    outcomes = [
+        planning.Outcome(planning.Candidate(mesh, 32, "full", None, rounds), report, seconds=seconds)
+        for rounds in (2, 1)
+    ]
+    header, *rows = planning.table(outcomes, plan, 2048 * 8192, 10).splitlines()[:3]
+    assert "stage=7 fsdp=16 model=8 x2 rounds    32 full" in rows[0]
+    assert {row.index(" 32 full") + 3 for row in rows} == {header.index("micro") + 5}
 
 
 def test_a_pass_whose_least_possible_peak_is_over_the_budget_is_pruned_without_compiling():

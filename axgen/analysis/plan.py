@@ -404,15 +404,16 @@ def _progress(outcome: Outcome, done: int, budget: int) -> str:
 def table(outcomes: list[Outcome], plan: Plan, tokens_per_step: int, top: int) -> str:
     """The ranked candidates that fit, then how many did not and why, as text."""
     fitting = [o for o in outcomes if o.fits]
+    width = max([26, *(len(o.candidate.mesh_text()) for o in fitting[:top])])
     lines = [
-        f"{'rank':>4}  {'mesh':<26} {'micro':>5} {'remat':<21} {'block':>5} {'peak GiB':>9} "
+        f"{'rank':>4}  {'mesh':<{width}} {'micro':>5} {'remat':<21} {'block':>5} {'peak GiB':>9} "
         f"{'step s':>8} {'tokens/s':>10}  bound by (compute / memory / host / collectives s)"
     ]
     for rank, o in enumerate(fitting[:top], 1):
         c, s = o.candidate, o.seconds
         terms = " / ".join(f"{s[k]:.3g}" for k in ("compute", "memory", "host", "collectives"))
         lines.append(
-            f"{rank:>4}  {c.mesh_text():<26} {c.microbatch:>5} {c.remat:<21} {c.attention_block or '-':>5} "
+            f"{rank:>4}  {c.mesh_text():<{width}} {c.microbatch:>5} {c.remat:<21} {c.attention_block or '-':>5} "
             f"{o.report.peak_bytes / GIB:>9.2f} {o.step_seconds:>8.3g} {tokens_per_step / o.step_seconds:>10.4g}  "
             f"{o.bound_by} ({terms})"
         )

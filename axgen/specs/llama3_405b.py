@@ -32,14 +32,15 @@ spec = llama3_8b.replace(
         # 4.9 TB of float32 weights and AdamW moments. On 896 GPUs no split without pipeline stages divides the
         # batch; 7 stages do, each stage's weights over fsdp=16 x model=8 (5.4 GB a GPU of state). 32 microbatches
         # of one sequence a pass, going round the stages twice (each stage 2 runs of 9 layers): each stage idles
-        # 6 of 70 iterations (69.3 GiB; docs/aot.md). GPipe's 6 of 38 at 32 take 56.9 GiB; its 6 of 70, 93.6.
+        # 6 of 70 iterations. Each iteration is rematerialized whole, so the layers inside it save their dots:
+        # 69.3 GiB (docs/aot.md; `axgen plan` ranks it first on this mesh). GPipe's 6 of 38 take 57.2 GiB.
         MeshRule(
             r"gpu-h100-896",
             {"stage": 7, "fsdp": -1, "model": 8},
             why="405B on 896: 7 pipeline stages of 2 runs of 9 layers x fsdp=16 x model=8, 32 microbatches a pass",
             microbatch=32,
             pipeline_repeats=2,
-            remat=Remat(policy="full"),
+            remat=Remat(policy="save_dots"),
         ),
         # Elsewhere fully sharded, model=8 in each host: one 8k sequence a pass under full remat (42.9 GiB on
         # gpu-h100-1024; two need 76.2).

@@ -2,7 +2,7 @@
 # Regenerate: axgen build llama3_405b --target gpu-h100-896
 # Mesh: data=1 stage=7 fsdp=16 expert=1 context=1 model=8 on 896 x NVIDIA H100 SXM (specs/llama3_405b.py: mesh rule 'gpu-h100-896': 405B on 896: 7 pipeline stages of 2 runs of 9 layers x fsdp=16 x model=8, 32 microbatches a pass)
 # Passes: rope(theta=500000.0, scaling=llama3(factor=8.0, low=1.0, high=4.0, original_max_position=8192))
-# Lowering: remat(policy=full) (specs/llama3_405b.py: mesh rule 'gpu-h100-896') · attention cudnn (backends/gpu.py)
+# Lowering: remat(policy=save_dots) (specs/llama3_405b.py: mesh rule 'gpu-h100-896') · attention cudnn (backends/gpu.py)
 # Loss: runtime.lm_head_cross_entropy, the output head fused with the cross-entropy 256 positions at a time; no whole logits in a training step (backends/lowering.py)
 """llama3-405b training program for gpu-h100-896.
 
@@ -154,8 +154,8 @@ ROPE_SCALING = {
 }
 
 
-# remat · specs/llama3_405b.py: mesh rule 'gpu-h100-896' · policy full: keep each layer's input only; recompute the whole layer in backward
-REMAT_POLICY = jax.checkpoint_policies.nothing_saveable
+# remat · specs/llama3_405b.py: mesh rule 'gpu-h100-896' · policy save_dots: keep every projection's output; recompute norms, rope, attention and activations
+REMAT_POLICY = jax.checkpoint_policies.save_only_these_names("qkv_proj", "out_proj", "mlp_in", "mlp_out")
 
 
 # Each stacked block's params are cast to COMPUTE_DTYPE a layer at a time, where the layer runs: a cast of the whole
