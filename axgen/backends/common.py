@@ -142,9 +142,7 @@ class Plan:
     microbatch: int  # sequences per device per forward/backward pass
     grad_accum_steps: int
     pipeline_microbatches: int  # each pass's, through the pipeline stages (where there are stages)
-    pipeline_repeats: (
-        int  # times each microbatch goes round the stages: 1, GPipe; more, the circular schedule
-    )
+    pipeline_repeats: int  # rounds of the stages a microbatch takes: 1, GPipe; more, circular
     flags_variable: str
     xla_flags: tuple[str, ...]
     topology: str | None  # for ahead-of-time compilation; None: fake CPU devices with this mesh

@@ -39,9 +39,9 @@ class MeshRule(SpecNode):
     consecutive layers a stage); the stages idle (stages - 1) / (repeats x pipeline_microbatches + stages - 1) of a
     pass (with at least as many microbatches as stages), and a stage keeps repeats times as many inputs, each of a
     run repeats times shorter. `attention_block` is the query and key/value block length of the splash attention
-    kernel. `memory_fraction` is the share of each device's
-    memory the program's allocator takes (GPU), and what `axgen aot` checks the peak against. `moe_dispatch` is how
-    a dropless MoE whose experts are split over devices moves its token copies (MOE_DISPATCHES).
+    kernel. `memory_fraction` is the share of each device's memory the program's allocator takes (GPU), and what
+    `axgen aot` checks the peak against. `moe_dispatch` is how a dropless MoE whose experts are split over devices
+    moves its token copies (MOE_DISPATCHES).
     `moe_receive_capacity` bounds the all_to_all dispatch: each device takes at most that factor of its even share
     of token copies from each device of its expert group (1.0: the share perfectly balanced routing sends), and
     the copies beyond it are dropped, later choices first, and counted (`dropped_fraction`); unset, a device has
