@@ -95,19 +95,14 @@ def test_h100_moe_program_compiles_with_the_mosaic_gpu_grouped_matmul_forward_an
     assert report["kernels"].get("mosaic_gpu_v2", 0) == 9
 
 
-def test_multi_slice_program_compiles_on_a_hybrid_mesh(capsys):
-    code, [report], _ = aot(capsys, TINY, "--target", "tpu-v5e-4x2")
-    assert code == 0 and report["compiled_for"] == "8 x TPU v5e (libtpu topology 2 slices of v5e:2x2)"
-    assert report["mesh"] == {"data": 2, "stage": 1, "fsdp": 4, "expert": 1, "context": 1, "model": 1}
-
-
 # slow tier: a deviceless compile of an MoE or multi-pass program for the chips (20-30 s on 2 cores)
 @pytest.mark.slow
 @pytest.mark.parametrize("passes", [2, 4])
 def test_gradients_cross_between_slices_once_a_step_however_many_passes_it_takes(tmp_path, capsys, passes):
-    """Each slice sums its passes' gradients apart; they meet over the data-centre network once, after the last
-    pass: the cross-slice transfers per step are the same for 2 passes as for 4 (summing over slices inside each
-    pass made 71 a step at 4 passes, 16 per layer scan)."""
+    """The program compiles on a hybrid mesh of 2 slices, whose slices multiply `data`. Each slice sums its passes'
+    gradients apart; they meet over the data-centre network once, after the last pass: the cross-slice transfers
+    per step are the same for 2 passes as for 4 (summing over slices inside each pass made 71 a step at 4 passes,
+    16 per layer scan)."""
     spec = tmp_path / "two_slices.py"
     spec.write_text(
         "from axgen.spec import MeshRule\nfrom axgen.specs.llama_tiny import spec as tiny\n"
@@ -116,6 +111,8 @@ def test_gradients_cross_between_slices_once_a_step_however_many_passes_it_takes
     )
     code, [report], _ = aot(capsys, str(spec), "--target", "tpu-v5e-4x2")
     assert code == 0 and report["grad_accum_steps"] == passes
+    assert report["compiled_for"] == "8 x TPU v5e (libtpu topology 2 slices of v5e:2x2)"
+    assert report["mesh"] == {"data": 2, "stage": 1, "fsdp": 4, "expert": 1, "context": 1, "model": 1}
     # The reduction of the gradients, one transfer per group of arrays XLA combines, and the step's metrics.
     assert report["cross_slice"] == {"ALL_REDUCE": 9}
 
@@ -282,6 +279,8 @@ def test_a_slice_compiles_with_the_wraparound_links_its_chips_have(target, topol
     assert (family.topology(per_slice), family.topology_wrap(family.topology(per_slice))) == (topology, wrap)
 
 
+# slow tier: a deviceless compile for the chips (12 s on 2 cores) whose topology's links wrap around
+@pytest.mark.slow
 def test_the_report_names_the_wraparound_links(tmp_path, capsys):
     spec = tmp_path / "wide.py"
     spec.write_text(
