@@ -41,7 +41,7 @@ import libcst.matchers as m
 
 from axgen.analysis.aot import AotError, Report, compile_target
 from axgen.backends import Plan, plan_for
-from axgen.backends.common import GIB, LOGICAL_AXIS_RULES, stages_refused
+from axgen.backends.common import GIB, LOGICAL_AXIS_RULES, runs_refused, stages_refused
 from axgen.build import Built, build
 from axgen.files import write_atomically
 from axgen.ir import cost
@@ -269,7 +269,7 @@ def _goes_round(spec: Model, mesh: tuple, microbatch: int) -> bool:
     into stages x CIRCULAR_ROUNDS equal runs, and at least as many microbatches (of one sequence) as stages, without
     which a round's slots stand empty as long as the bubble it saves."""
     stages = dict(mesh)["stage"]
-    return stages > 1 and spec.decoder.num_layers % (stages * CIRCULAR_ROUNDS) == 0 and microbatch >= stages
+    return stages > 1 and runs_refused(spec, stages, CIRCULAR_ROUNDS) is None and microbatch >= stages
 
 
 def _least_peak(outcomes: list[Outcome], mesh: tuple, policy: str, microbatch: int) -> int | None:

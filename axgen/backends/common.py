@@ -283,12 +283,10 @@ def _check_stages(plan: Plan, spec: Model) -> None:
     refused = stages_refused(spec, stages)
     if refused:
         raise SpecError(f"{rule.origin}: MeshRule.mesh stage={stages} (pattern {rule.pattern!r}) {refused}")
-    repeats, layers = plan.pipeline_repeats, spec.decoder.num_layers
-    if layers % (stages * repeats):
+    refused = runs_refused(spec, stages, plan.pipeline_repeats)
+    if refused:
         raise SpecError(
-            f"{rule.origin}: MeshRule.pipeline_repeats={repeats} (pattern {rule.pattern!r}) does not cut "
-            f"Decoder.num_layers={layers} into {stages} stages x {repeats} runs of as many layers each "
-            f"({spec.origin})"
+            f"{rule.origin}: MeshRule.pipeline_repeats={plan.pipeline_repeats} (pattern {rule.pattern!r}) {refused}"
         )
     if plan.microbatch % plan.pipeline_microbatches:
         raise SpecError(
@@ -296,6 +294,18 @@ def _check_stages(plan: Plan, spec: Model) -> None:
             f"{rule.pattern!r}) does not split a pass of {plan.microbatch} sequences per device "
             f"(MeshRule.microbatch on {plan.target}) into microbatches of as many sequences each"
         )
+
+
+def runs_refused(spec: Model, stages: int, repeats: int) -> str | None:
+    """Why the spec's layers cannot go round `stages` stages `repeats` times (the circular schedule), or None: what
+    a rule asking for it is refused with, and what keeps `axgen plan` from trying it."""
+    layers = spec.decoder.num_layers
+    if layers % (stages * repeats):
+        return (
+            f"does not cut Decoder.num_layers={layers} into {stages} stages x {repeats} runs of as many layers "
+            f"each ({spec.origin})"
+        )
+    return None
 
 
 def stages_refused(spec: Model, stages: int) -> str | None:
