@@ -15,7 +15,8 @@ program_args = rest[rest.index("--") + 1 :]
 os.environ.update(
     JAX_PLATFORMS="cpu",
     AXGEN_XLA_KERNELS="1",
-    XLA_FLAGS=f"--xla_force_host_platform_device_count={1 if single_device else devices}",
+    # the suite's own flags (tests/conftest.py: PROGRAM_ENV) and the device count
+    XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={1 if single_device else devices}",
 )
 
 from axgen.interop import load_program  # noqa: E402  (after the environment is set)

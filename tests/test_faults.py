@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from tests.conftest import CPU_8, PROGRAM_ENV, ROOT, program_args, python_result, run_in_process
+from tests.conftest import CPU_8, FAKE_DEVICES, PROGRAM_ENV, ROOT, program_args, python_result, run_in_process
 
 from bench.faults import DAMAGE, flip_a_bit, truncate
 
@@ -207,7 +207,7 @@ def free_port() -> int:
 
 def start_processes(run_dir, data, steps, *extra):
     """The program as a job of two processes on loopback, each with 4 of the 8 fake CPU devices."""
-    env = PROGRAM_ENV | {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = PROGRAM_ENV | {"XLA_FLAGS": f"{PROGRAM_ENV['XLA_FLAGS']} {FAKE_DEVICES}4"}
     coordinator = f"127.0.0.1:{free_port()}"
     return [
         start(

@@ -173,7 +173,9 @@ def test_lora_dropout_drops_the_adapters_inputs_as_torch_dropout_does_in_trainin
             gradients(0, 4),
         )
     )()
-    np.testing.assert_array_equal(losses, np.full(samples, exact_loss))
+    # B is zero, so the drop changes no output: the loss is the dropout-free one, to the float32 rounding the vmap's
+    # own fusions make (1 ulp on some CPUs).
+    np.testing.assert_allclose(losses, np.full(samples, exact_loss), rtol=1e-6)
     for name in grads:
         if name.endswith("_lora_a"):
             assert not np.asarray(grads[name]).any(), name
