@@ -3,6 +3,7 @@ equals the one-pass step; the TPU splash kernel equals XLA attention; multi-slic
 
 import ast
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from tests.conftest import ROOT
 from axgen.runtime.attention import causal_attention
 from axgen.runtime.program import Program
 from axgen.runtime.run import parse_args
+from axgen.runtime.sharding import logical_to_mesh
 from axgen.runtime.training import BatchSplitError, accumulation_steps
 
 TINY = ROOT / "axgen/specs/llama_tiny.py"
@@ -174,8 +176,14 @@ def test_a_rule_can_choose_the_xla_attention_on_tpu(tmp_path):
             "tpu-v5e-8",
             "Train.seq_len=128 is not a multiple of the 256-long blocks of splash attention on target tpu-v5e-8",
         ),
+        (
+            'MeshRule(r"cpu-8", {"fsdp": -1}, why="x", shard_residual=True)',
+            "cpu-8",
+            "MeshRule.shard_residual=True (pattern 'cpu-8') splits the residual stream over the model axis, and its "
+            "mesh on cpu-8 has model=1",
+        ),
     ],
-    ids=["mesh", "microbatch", "kernel", "block"],
+    ids=["mesh", "microbatch", "kernel", "block", "residual"],
 )
 def test_a_rule_that_cannot_apply_is_one_line(tmp_path, rule, target, message):
     with pytest.raises(Exception) as err:
@@ -205,6 +213,43 @@ def test_a_rule_may_give_the_allocator_another_share_and_the_fit_check_follows(t
     plan = plan_for(load_spec(tiny_with(tmp_path, "half", rule)), "gpu-h100-8")
     assert plan.memory_fraction == 0.5 and plan.usable_bytes == plan.chip.hbm_bytes // 2
     assert plan_for(load_spec(tiny_with(tmp_path, "tpu", rule)), "tpu-v5e-8").usable_bytes == 16 * 1024**3
+
+
+def test_a_residual_split_over_model_is_the_same_model(tmp_path):
+    """MeshRule.shard_residual: the constraints between layers name `residual_embed`, which the rules give
+    `model` (so on fsdp=4 x model=2 the residual stream is split 4 x 2, batch by embed), the header says so, and
+    the loss and every gradient equal one device's."""
+    rule = 'MeshRule(r"cpu-8", {"fsdp": 4, "model": 2}, why="x", shard_residual=True)'
+    program = program_for(tmp_path, tiny_with(tmp_path, "residual", rule), "cpu-8")
+    source = Path(program.__file__).read_text()
+    assert (
+        source.count('("batch", "seq", "residual_embed"))') == 3
+    )  # the embedding, and each layer's two adds
+    assert "residual stream over model (specs/residual.py: mesh rule 'cpu-8')" in source
+    assert program.LOGICAL_AXIS_RULES["residual_embed"] == ("model",)
+    mesh = jax.make_mesh(
+        (1, 1, 4, 1, 1, 2), tuple(program.MESH_SHAPE), axis_types=(jax.sharding.AxisType.Auto,) * 6
+    )
+    with jax.set_mesh(mesh):
+        split = logical_to_mesh(
+            program.LOGICAL_AXIS_RULES, ("batch", "seq", "residual_embed"), (8, 16, 128), mesh.shape
+        )
+    assert split == jax.sharding.PartitionSpec("fsdp", None, "model")
+
+    params = program.init_params(jax.random.key(1))
+    tokens = jax.random.randint(jax.random.key(2), (8, 17), 0, 256)
+    grad_fn = jax.value_and_grad(program.loss_fn, has_aux=True)
+    (loss, _), grads = grad_fn(params, tokens)
+    with jax.set_mesh(mesh):
+        placed = jax.device_put(params, Program.from_module(program).param_shardings(mesh))
+        (sharded_loss, _), sharded_grads = jax.jit(grad_fn)(placed, tokens)
+    np.testing.assert_allclose(sharded_loss, loss, rtol=1e-6)
+
+    def check(path, grad, expected):
+        atol = 1e-5 * float(jnp.abs(expected).max())
+        np.testing.assert_allclose(grad, expected, atol=atol, err_msg=jax.tree_util.keystr(path))
+
+    jax.tree_util.tree_map_with_path(check, sharded_grads, grads)
 
 
 def one_step(program, tokens):

@@ -91,17 +91,22 @@ class Candidate:
     remat: str
     attention_block: int | None = None
     pipeline_repeats: int = 1  # 1: GPipe; more: the circular schedule's rounds
+    shard_residual: bool = (
+        False  # MeshRule.shard_residual: the target's own rule's, on every mesh with `model`
+    )
 
     def fields(self) -> dict:
         """The mesh rule's fields (`aot.candidate_rule`)."""
         fields = {"mesh": {a: n for a, n in self.mesh if n > 1} or {"fsdp": 1}, "microbatch": self.microbatch}
         fields["remat"] = self.remat
         fields |= {"pipeline_repeats": self.pipeline_repeats} if self.pipeline_repeats > 1 else {}
+        fields |= {"shard_residual": True} if self.shard_residual else {}
         return fields | ({"attention_block": self.attention_block} if self.attention_block else {})
 
     def mesh_text(self) -> str:
         circular = f" x{self.pipeline_repeats} rounds" if self.pipeline_repeats > 1 else ""
-        return " ".join(f"{a}={n}" for a, n in self.mesh if n > 1) + circular or "1 device"
+        residual = " residual/model" if self.shard_residual else ""
+        return " ".join(f"{a}={n}" for a, n in self.mesh if n > 1) + circular + residual or "1 device"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +217,12 @@ def own_candidate(spec: Model, plan: Plan) -> Candidate:
     remat = spec.feature("remat") or plan.remat
     mesh = tuple((a, n // (plan.num_slices if a == "data" else 1)) for a, n in plan.mesh)
     return Candidate(
-        mesh, plan.microbatch, remat.policy if remat else "none", plan.attention_block, plan.pipeline_repeats
+        mesh,
+        plan.microbatch,
+        remat.policy if remat else "none",
+        plan.attention_block,
+        plan.pipeline_repeats,
+        plan.shard_residual,
     )
 
 
@@ -245,6 +255,9 @@ def _frontier(state: Search, spec: Model, plan: Plan, mesh: tuple, policy: str, 
     whose least possible peak, learnt from the compiles so far, exceeds what the device has. A staged pass that
     fits is also compiled circular (`_goes_round`)."""
     failed = state.out_of_memory.setdefault(mesh, [])
+    residual = (
+        plan.shard_residual and dict(mesh).get("model", 1) > 1
+    )  # the spec author's choice, where it can apply
     for microbatch in _microbatches(spec, plan, mesh):
         if any(KEPT_ON_DEVICE[p] <= KEPT_ON_DEVICE[policy] and m <= microbatch for p, m in failed):
             continue
@@ -255,9 +268,10 @@ def _frontier(state: Search, spec: Model, plan: Plan, mesh: tuple, policy: str, 
                 f"needs at least {least / GIB:.2f} GiB, more than {plan.usable_bytes / GIB:.1f} usable"
             )
             continue
-        outcome = state.compile(Candidate(mesh, microbatch, policy, block))
+        candidate = Candidate(mesh, microbatch, policy, block, shard_residual=residual)
+        outcome = state.compile(candidate)
         if outcome is not None and outcome.fits and _goes_round(spec, mesh, microbatch):
-            state.compile(Candidate(mesh, microbatch, policy, block, CIRCULAR_ROUNDS))
+            state.compile(dataclasses.replace(candidate, pipeline_repeats=CIRCULAR_ROUNDS))
         if outcome is None or outcome.fits:
             return
         if outcome.report is not None:  # out of memory, not a failure of another kind

@@ -37,6 +37,9 @@ _SHARDED = {
     # (heads go to `model`): DeepSeek-V3's are 3.2B params a device, 37 GB with their Adam moments.
     "latent": ("fsdp", "expert", "context"),
     "layers": ("stage",),
+    # The residual stream between layers under MeshRule.shard_residual: over `model`, which the layers' weights
+    # give heads and mlp, never embed.
+    "residual_embed": ("model",),
 }
 LOGICAL_AXIS_RULES: tuple[tuple[str, tuple[str, ...]], ...] = tuple(
     (axis, _SHARDED.get(axis, ())) for axis in LOGICAL_AXES
@@ -154,6 +157,7 @@ class Plan:
     moe_dispatch: str  # all_gather, or the collective the target's all_to_all dispatch takes
     moe_dispatch_source: str  # the rule or backend default it came from
     moe_receive_capacity: float | None  # the rule's bound on the all-to-all's receive buffer (MeshRule's)
+    shard_residual: bool  # the residual stream between layers split over `model` too (MeshRule's)
     memory_fraction: float | None
     logical_axis_rules: tuple[tuple[str, tuple[str, ...]], ...] = LOGICAL_AXIS_RULES
 
@@ -241,13 +245,26 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
             rule.provenance if rule.moe_dispatch else f"backends/{family.name}.py: moe_dispatch default"
         ),
         moe_receive_capacity=rule.moe_receive_capacity,
+        shard_residual=bool(rule.shard_residual),
         memory_fraction=rule.memory_fraction or family.memory_fraction,
     )
     _check_attention(plan, family, spec)
     _check_context(plan, spec)
     _check_stages(plan, spec)
     _check_capabilities(plan, spec)
+    _check_residual(plan)
     return plan
+
+
+def _check_residual(plan: Plan) -> None:
+    """MeshRule.shard_residual splits the residual stream over the `model` axis, which the mesh must have."""
+    rule = plan.rule
+    if plan.shard_residual and dict(plan.mesh)["model"] == 1:
+        raise SpecError(
+            f"{rule.origin}: MeshRule.shard_residual=True (pattern {rule.pattern!r}) splits the residual stream "
+            f"over the model axis, and its mesh on {plan.target} has model=1; give the mesh a model axis or drop "
+            "shard_residual"
+        )
 
 
 def _check_context(plan: Plan, spec: Model) -> None:

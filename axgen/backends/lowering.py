@@ -27,6 +27,8 @@ from axgen.spec import REMAT_POLICIES
 # Activations whose sharding the program pins: the residual stream at each layer boundary and the logits. XLA
 # propagates the rest from the params.
 CONSTRAINED_OPS = ("embed", "add", "lm_head")
+RESIDUAL = ("batch", "seq", "embed")
+RESIDUAL_EMBED = "residual_embed"  # its rule: backends/common.py
 
 
 def target(g: Graph, plan: Plan) -> None:
@@ -50,6 +52,7 @@ def mesh(g: Graph, plan: Plan) -> None:
     axes this program uses."""
     types = [n.type for n in g.nodes()] + [p.type for n in g.nodes() for p in n.params.values()]
     used = {axis for t in types for axis in t.axes} | {"layers"}  # stacked block params add `layers`
+    used |= {RESIDUAL_EMBED} if plan.shard_residual else set()  # the `shard` lowering's name for it
     g.attrs["mesh"] = dict(plan.mesh)
     g.attrs["dcn_mesh"] = dict(plan.dcn_mesh) if plan.num_slices > 1 else None
     g.attrs["grad_accum_steps"] = plan.grad_accum_steps
@@ -60,9 +63,14 @@ def mesh(g: Graph, plan: Plan) -> None:
 
 
 def shard(g: Graph, plan: Plan) -> None:
+    """Pins the residual stream and the logits. Under MeshRule.shard_residual the residual's embed is RESIDUAL_EMBED,
+    which the rules give `model`."""
     for node in g.nodes():
         if node.op in CONSTRAINED_OPS:
-            g.update(node, constrain=node.type.axes)
+            axes = node.type.axes
+            if plan.shard_residual and axes == RESIDUAL:
+                axes = (*axes[:-1], RESIDUAL_EMBED)
+            g.update(node, constrain=axes)
 
 
 # Why a sequence split over context shards meets its keys by gathering them: every device holds its rows' whole
@@ -420,6 +428,8 @@ def summary(g: Graph, plan: Plan) -> None:
         for policy in [g.attrs["remat_policy"]]
         if policy and policy["source"] == plan.remat_source
     ]
+    if any(RESIDUAL_EMBED in (n.attrs.constrain or ()) for n in g.nodes()):
+        chosen.append(f"residual stream over model ({plan.rule.provenance})")
     kernels = {(n.attrs.kernel, n.attrs.block) for n in g.nodes(op="attention")}
     chosen += [
         f"attention {kernel}" + (f" (blocks of {block})" if block else "")

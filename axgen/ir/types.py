@@ -23,6 +23,9 @@ LOGICAL_AXES: dict[str, str] = {
     "fp8_operand": "o",  # x, w and the gradient of an fp8 dot
     "layers": "l",  # a block's params stacked over its layers
     "lora_rank": "n",  # a low-rank adapter's rank (F.lora)
+    # The residual stream's embed where MeshRule.shard_residual splits it over `model`: a name of the constraints
+    # between layers (the `shard` lowering), not of a tensor type, so the layers' weights keep `embed`'s rule.
+    "residual_embed": "c",
 }
 
 

@@ -45,7 +45,12 @@ class MeshRule(SpecNode):
     `moe_receive_capacity` bounds the all_to_all dispatch: each device takes at most that factor of its even share
     of token copies from each device of its expert group (1.0: the share perfectly balanced routing sends), and
     the copies beyond it are dropped, later choices first, and counted (`dropped_fraction`); unset, a device has
-    room for every copy of its group (expert x its share), which DeepSeek-V3 at expert=64 cannot hold."""
+    room for every copy of its group (expert x its share), which DeepSeek-V3 at expert=64 cannot hold.
+    `shard_residual` splits the residual stream between the layers, [batch, seq, embed], over the `model` axis too
+    (MaxText's `activation_embed` over its tensor axis; Megatron's sequence parallelism splits the same tensor by
+    position): each layer's input, which full remat keeps, is model times smaller, and XLA gathers it inside the
+    layer over the model axis (a host's NVLink on an H100 box) where unsplit it would reduce the layer's output.
+    """
 
     pattern: str
     mesh: dict[str, int]
@@ -62,6 +67,7 @@ class MeshRule(SpecNode):
     memory_fraction: float | None = None
     moe_dispatch: str | None = None
     moe_receive_capacity: float | None = None
+    shard_residual: bool | None = None
     xla_flags: tuple[str, ...] = ()
 
     def validate(self) -> None:

@@ -42,14 +42,17 @@ spec = llama3_8b.replace(
             pipeline_repeats=2,
             remat=Remat(policy="save_dots"),
         ),
-        # Elsewhere fully sharded, model=8 in each host: one 8k sequence a pass under full remat (42.9 GiB on
-        # gpu-h100-1024; two need 76.2).
+        # Elsewhere fully sharded, model=8 in each host, the residual stream split over model too: each layer's
+        # input, which full remat keeps, is 32 MiB a sequence, not 256. So a pass takes 4 sequences (30.8 GiB on
+        # gpu-h100-1024), and fsdp's weight gathers across hosts, one per layer and pass, serve 4 sequences each:
+        # 0.80 TB a step, not 3.21 (docs/aot.md). Unsplit, one sequence took 42.9 GiB and four 143.4.
         MeshRule(
             r"gpu-h100-\d+",
             {"fsdp": -1, "model": 8},
-            why="405B: fsdp x model=8, one sequence a pass, full remat",
-            microbatch=1,
+            why="405B: fsdp x model=8, the residual split over model, four sequences a pass, full remat",
+            microbatch=4,
             remat=Remat(policy="full"),
+            shard_residual=True,
         ),
     ],
 )
