@@ -91,9 +91,8 @@ class Candidate:
     remat: str
     attention_block: int | None = None
     pipeline_repeats: int = 1  # 1: GPipe; more: the circular schedule's rounds
-    shard_residual: bool = (
-        False  # MeshRule.shard_residual: the target's own rule's, on every mesh with `model`
-    )
+    # MeshRule.shard_residual: the target's own rule's, on each mesh of the search that has a model axis
+    shard_residual: bool = False
 
     def fields(self) -> dict:
         """The mesh rule's fields (`aot.candidate_rule`)."""
@@ -255,9 +254,8 @@ def _frontier(state: Search, spec: Model, plan: Plan, mesh: tuple, policy: str, 
     whose least possible peak, learnt from the compiles so far, exceeds what the device has. A staged pass that
     fits is also compiled circular (`_goes_round`)."""
     failed = state.out_of_memory.setdefault(mesh, [])
-    residual = (
-        plan.shard_residual and dict(mesh).get("model", 1) > 1
-    )  # the spec author's choice, where it can apply
+    # The spec author's choice of splitting the residual stream, wherever the mesh has a model axis to split it.
+    residual = plan.shard_residual and dict(mesh).get("model", 1) > 1
     for microbatch in _microbatches(spec, plan, mesh):
         if any(KEPT_ON_DEVICE[p] <= KEPT_ON_DEVICE[policy] and m <= microbatch for p, m in failed):
             continue

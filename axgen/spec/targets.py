@@ -48,9 +48,9 @@ class MeshRule(SpecNode):
     room for every copy of its group (expert x its share), which DeepSeek-V3 at expert=64 cannot hold.
     `shard_residual` splits the residual stream between the layers, [batch, seq, embed], over the `model` axis too
     (MaxText's `activation_embed` over its tensor axis; Megatron's sequence parallelism splits the same tensor by
-    position): each layer's input, which full remat keeps, is model times smaller, and XLA gathers it inside the
-    layer over the model axis (a host's NVLink on an H100 box) where unsplit it would reduce the layer's output.
-    """
+    position): each layer's input, which full remat keeps, is model times smaller. Inside each layer XLA gathers it
+    over the model axis, and reduce-scatters the layer's output where it would otherwise all-reduce it (a host's
+    NVLink on an H100 box). Refused on a mesh without a model axis."""
 
     pattern: str
     mesh: dict[str, int]
