@@ -49,10 +49,10 @@ def target(g: Graph, plan: Plan) -> None:
 
 def mesh(g: Graph, plan: Plan) -> None:
     """The mesh (and how slices split it), the batch split into microbatches, and the logical-axis rules for the
-    axes this program uses."""
+    axes this program uses: its tensors' and its constraints' (the `shard` lowering's, which runs first)."""
     types = [n.type for n in g.nodes()] + [p.type for n in g.nodes() for p in n.params.values()]
     used = {axis for t in types for axis in t.axes} | {"layers"}  # stacked block params add `layers`
-    used |= {RESIDUAL_EMBED} if plan.shard_residual else set()  # the `shard` lowering's name for it
+    used |= {axis for n in g.nodes() for axis in n.attrs.constrain or ()}
     g.attrs["mesh"] = dict(plan.mesh)
     g.attrs["dcn_mesh"] = dict(plan.dcn_mesh) if plan.num_slices > 1 else None
     g.attrs["grad_accum_steps"] = plan.grad_accum_steps
@@ -483,8 +483,8 @@ def _aux(node: Node) -> tuple[str, ...]:
 
 STEPS: tuple[Callable[[Graph, Plan], None], ...] = (
     target,
-    mesh,
     shard,
+    mesh,
     context,
     attention_kernel,
     dot_kind,
