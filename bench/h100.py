@@ -18,6 +18,8 @@ Device time comes in calls of at most 10 minutes: `run` appends each row's resul
 it finishes, skips rows already there, starts no row after --max-seconds, and stops a row at --row-seconds. On the
 device: `python bench/h100.py run --out $OUT/h100.md; cp build/h100/results.jsonl $OUT/` (carry build/h100);
 copy results.jsonl back into build/h100 here before the next call, which picks up where the last one stopped.
+A warm machine goes back after 30 idle seconds, and a second one may not be lent (2026-11-28: refused): put the
+rows that matter most first with --only, in one call whose --max-seconds leaves a row's time under its limit.
 
 The MoE's two dispatches (MeshRule.moe_dispatch, docs/moe_dispatch.md) are two rows, Mixtral's width with its 8
 experts split 8 ways, when the machine has 8 GPUs or more (`prepare --target gpu-h100-8`): on one GPU every expert is
@@ -144,7 +146,9 @@ def prepare(out: Path, target: str, seq_len: int, batch: int, tiny: bool, plan_c
         label = f"plan #{rank}: {c.mesh_text()}, {c.microbatch}/pass, {c.remat}"
         rows.append(_row(label, program, outcome.report, estimated=outcome.step_seconds))
     rows.sort(key=lambda row: bool(row["flags"]))  # the flag sweep after every figure the issue asks for
-    manifest = {"target": target, "tokens_per_step": seq_len * batch, "rows": rows}
+    import jax
+
+    manifest = {"target": target, "tokens_per_step": seq_len * batch, "rows": rows, "jax": jax.__version__}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     print(f"wrote {out}: {len(rows)} rows")
 
@@ -242,6 +246,12 @@ def run(directory: Path, options: argparse.Namespace) -> str:
     for row, result in zip(rows, results):
         lines.append(_table_row(row, result, manifest["tokens_per_step"]))
     lines += _plan_summary(rows, results) + (_maxtext() if options.maxtext else [])
+    if manifest["jax"] != jax.__version__:
+        lines += [
+            "",
+            f"The AOT peaks were compiled by jax {manifest['jax']}'s XLA, the programs ran on jax {jax.__version__}'s:"
+            " where the two compilers schedule a step differently, measured / AOT says so, not the fit check.",
+        ]
     failures = [r["label"] for r, m in zip(rows, results) if r["aot_fits"] and _failed(r, m)]
     lines += ["", f"AOT said fits but the program did not run: {', '.join(failures) or 'none'}."]
     return "\n".join(lines) + "\n"
@@ -273,11 +283,12 @@ def _measure(directory: Path, row: dict, options: argparse.Namespace) -> dict:
         metrics = Path(run_dir) / "metrics.jsonl"
         records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     speeds = [r for r in records if "tokens_per_second" in r][1:]
+    mfus = [r["mfu"] for r in speeds if "mfu" in r]  # none on CPU: its peak FLOP/s is unknown
     return {
         "ran": code == 0,
         "error": None if code == 0 else error[:160],
         "tokens_per_second": statistics.median(r["tokens_per_second"] for r in speeds) if speeds else None,
-        "mfu": statistics.median(r["mfu"] for r in speeds) if speeds else None,
+        "mfu": statistics.median(mfus) if mfus else None,
         "peak": max((r["memory_bytes"] for r in records if r.get("memory_bytes")), default=None),
         "seconds": seconds,
     }
@@ -317,8 +328,8 @@ def _plan_summary(rows: list[dict], results: list[dict]) -> list[str]:
         for row, m in zip(rows, results)
         if row["label"].startswith("plan #") and m["tokens_per_second"]
     ]
-    if not measured:
-        return []
+    if len(measured) < 2:
+        return ["", "Fewer than two of `axgen plan`'s rows ran: nothing to rank its first choice against."]
     first = next((speed for label, speed in measured if label.startswith("plan #1:")), None)
     best_label, best = max(measured, key=lambda item: item[1])
     verdict = f"{first / best:.1%} of the fastest ({best_label})" if first else "plan #1 did not run"
