@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from axgen.backends import plan_for
 from axgen.build import build
@@ -179,11 +180,16 @@ def test_a_rule_can_choose_the_xla_attention_on_tpu(tmp_path):
         (
             'MeshRule(r"cpu-8", {"fsdp": -1}, why="x", shard_residual=True)',
             "cpu-8",
-            "MeshRule.shard_residual=True (pattern 'cpu-8') splits the residual stream over the model axis, and its "
-            "mesh on cpu-8 has model=1",
+            "MeshRule.shard_residual=True (pattern 'cpu-8') on cpu-8: the mesh has model=1",
+        ),
+        (
+            'MeshRule(r"cpu-8", {"data": 2, "fsdp": 2, "model": 2}, why="x", shard_residual=True)',
+            "cpu-8",
+            "MeshRule.shard_residual=True (pattern 'cpu-8') on cpu-8: the mesh has data=2 x fsdp=2, and XLA's "
+            "partitioner swaps batch rows",
         ),
     ],
-    ids=["mesh", "microbatch", "kernel", "block", "residual"],
+    ids=["mesh", "microbatch", "kernel", "block", "residual", "residual_beside_data_and_fsdp"],
 )
 def test_a_rule_that_cannot_apply_is_one_line(tmp_path, rule, target, message):
     with pytest.raises(Exception) as err:
@@ -250,6 +256,31 @@ def test_a_residual_split_over_model_is_the_same_model(tmp_path):
         np.testing.assert_allclose(grad, expected, atol=atol, err_msg=jax.tree_util.keystr(path))
 
     jax.tree_util.tree_map_with_path(check, sharded_grads, grads)
+
+
+def test_xla_still_swaps_batch_rows_where_a_split_residual_meets_data_and_fsdp():
+    """Why shard_residual is refused where data and fsdp both split the batch (backends/common.residual_refused):
+    the smallest case of a layer's output projection onto the residual split over model, with the projection's
+    weight split over fsdp, as the rules give it. XLA permutes the input's batch rows into fsdp-major order to
+    multiply by the weight gathered over fsdp, and labels the result data-major: devices (data 0, fsdp 1) and
+    (data 1, fsdp 0) hold each other's rows. When this test fails, XLA partitions it right and the refusal can
+    go."""
+    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    heads = jax.random.normal(jax.random.key(0), (8, 4, 32))  # [batch, heads, head_dim]
+    w_out = jax.random.normal(jax.random.key(1), (4, 32, 128))  # [heads, head_dim, embed]
+    batch = ("data", "fsdp")
+
+    def project(heads, w_out):
+        heads = jax.lax.with_sharding_constraint(heads, P(batch, "model", None))
+        return jax.lax.with_sharding_constraint(jnp.einsum("bhd,hde->be", heads, w_out), P(batch, "model"))
+
+    with jax.set_mesh(mesh):
+        placed = jax.device_put(w_out, jax.sharding.NamedSharding(mesh, P("model", None, "fsdp")))
+        split = np.asarray(jax.jit(project)(heads, placed))
+    whole = np.asarray(jnp.einsum("bhd,hde->be", heads, w_out))
+    wrong = [row for row in range(8) if not np.allclose(split[row], whole[row], atol=1e-3)]
+    assert wrong == [2, 3, 4, 5]
+    np.testing.assert_allclose(split[[4, 5, 2, 3]], whole[2:6], atol=1e-3)  # the two devices' rows, swapped
 
 
 def one_step(program, tokens):

@@ -41,7 +41,7 @@ import libcst.matchers as m
 
 from axgen.analysis.aot import AotError, Report, compile_target
 from axgen.backends import Plan, plan_for
-from axgen.backends.common import GIB, LOGICAL_AXIS_RULES, runs_refused, stages_refused
+from axgen.backends.common import GIB, LOGICAL_AXIS_RULES, residual_refused, runs_refused, stages_refused
 from axgen.build import Built, build
 from axgen.files import write_atomically
 from axgen.ir import cost
@@ -91,7 +91,7 @@ class Candidate:
     remat: str
     attention_block: int | None = None
     pipeline_repeats: int = 1  # 1: GPipe; more: the circular schedule's rounds
-    # MeshRule.shard_residual: the target's own rule's, on each mesh of the search that has a model axis
+    # MeshRule.shard_residual: the target's own rule's, on each mesh of the search it can split (residual_refused)
     shard_residual: bool = False
 
     def fields(self) -> dict:
@@ -254,8 +254,10 @@ def _frontier(state: Search, spec: Model, plan: Plan, mesh: tuple, policy: str, 
     whose least possible peak, learnt from the compiles so far, exceeds what the device has. A staged pass that
     fits is also compiled circular (`_goes_round`)."""
     failed = state.out_of_memory.setdefault(mesh, [])
-    # The spec author's choice of splitting the residual stream, wherever the mesh has a model axis to split it.
-    residual = plan.shard_residual and dict(mesh).get("model", 1) > 1
+    # The spec author's choice of splitting the residual stream, on each mesh where it can be (`mesh` is one
+    # slice's; the slices add to data).
+    whole = {**dict(mesh), "data": dict(mesh)["data"] * plan.num_slices}
+    residual = plan.shard_residual and residual_refused(whole) is None
     for microbatch in _microbatches(spec, plan, mesh):
         if any(KEPT_ON_DEVICE[p] <= KEPT_ON_DEVICE[policy] and m <= microbatch for p, m in failed):
             continue

@@ -257,14 +257,30 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
 
 
 def _check_residual(plan: Plan) -> None:
-    """MeshRule.shard_residual splits the residual stream over the `model` axis, which the mesh must have."""
     rule = plan.rule
-    if plan.shard_residual and dict(plan.mesh)["model"] == 1:
+    refused = residual_refused(dict(plan.mesh)) if plan.shard_residual else None
+    if refused:
         raise SpecError(
-            f"{rule.origin}: MeshRule.shard_residual=True (pattern {rule.pattern!r}) splits the residual stream "
-            f"over the model axis, and its mesh on {plan.target} has model=1; give the mesh a model axis or drop "
-            "shard_residual"
+            f"{rule.origin}: MeshRule.shard_residual=True (pattern {rule.pattern!r}) on {plan.target}: {refused}"
         )
+
+
+def residual_refused(mesh: dict[str, int]) -> str | None:
+    """Why the residual stream cannot be split over `model` on this mesh, or None: what a rule asking for it is
+    refused with, and what keeps `axgen plan` from trying it. Where `data` and `fsdp` both split the batch, XLA's
+    SPMD partitioner (jax 0.12.0.1 and 0.11.2) computes a layer's output projection onto the split residual with
+    two devices' batch rows swapped: it permutes the input's rows into fsdp-major order for the weight's gather
+    and never permutes them back (tests/test_mesh_rules.py keeps the smallest case). A wrong model is refused, not
+    emitted."""
+    if mesh["model"] == 1:
+        return "the mesh has model=1; give it a model axis or drop shard_residual"
+    if mesh["data"] > 1 and mesh["fsdp"] > 1:
+        return (
+            f"the mesh has data={mesh['data']} x fsdp={mesh['fsdp']}, and XLA's partitioner swaps batch rows "
+            "between devices where both split the batch and the residual is split over model (a wrong model, "
+            "not an error); use data=1 or drop shard_residual"
+        )
+    return None
 
 
 def _check_context(plan: Plan, spec: Model) -> None:
