@@ -150,6 +150,31 @@ def test_a_staged_pass_that_fits_is_also_tried_going_round_the_stages_twice():
     assert {row.index(" 32 full") + 3 for row in rows} == {header.index("micro") + 5}
 
 
+def test_the_rule_s_residual_split_goes_only_onto_the_meshes_that_can_take_it():
+    """Llama 3.1 405B's rule splits the residual stream over model: the search keeps that choice on each mesh with
+    a model axis, and drops it where the mesh has none, or where data and fsdp both split the batch (which XLA
+    miscompiles: backends/common.residual_refused), rather than compiling a mesh the build refuses."""
+    spec = load_spec(ROOT / "axgen/specs/llama3_405b.py")
+    plan = plan_for(spec, "gpu-h100-1024")
+    assert plan.shard_residual
+    compiled = []
+
+    def compile_candidate(candidate):
+        compiled.append(candidate.shard_residual)
+        return types.SimpleNamespace(fits=True, report=types.SimpleNamespace(fits=True))
+
+    state = types.SimpleNamespace(out_of_memory={}, compile=compile_candidate, outcomes=[], log=print)
+    for mesh, split in [
+        ({"model": 8, "fsdp": -1}, True),
+        ({"fsdp": -1}, False),
+        ({"data": 2, "model": 8, "fsdp": -1}, False),
+        ({"data": 128, "model": 8}, True),
+    ]:
+        compiled.clear()
+        planning._frontier(state, spec, plan, planning._full(mesh, 1024), "full", None)
+        assert compiled == [split], mesh
+
+
 def test_a_pass_whose_least_possible_peak_is_over_the_budget_is_pruned_without_compiling():
     """A compile at 16 sequences per pass whose temporaries are twice what the device has: at 8 they are at least
     half of that, which with the rest of the peak is still over, so 8 is pruned and said so; 4 is compiled."""
