@@ -185,11 +185,16 @@ def test_a_rule_can_choose_the_xla_attention_on_tpu(tmp_path):
         (
             'MeshRule(r"cpu-8", {"data": 2, "fsdp": 2, "model": 2}, why="x", shard_residual=True)',
             "cpu-8",
-            "MeshRule.shard_residual=True (pattern 'cpu-8') on cpu-8: the mesh has data=2 x fsdp=2, and XLA's "
-            "partitioner swaps batch rows",
+            "MeshRule.shard_residual=True (pattern 'cpu-8') on cpu-8: the mesh splits the batch over data=2 x "
+            "fsdp=2, and XLA's partitioner swaps batch rows",
+        ),
+        (
+            'MeshRule(r"cpu-8", {"fsdp": 2, "expert": 2, "model": 2}, why="x", shard_residual=True)',
+            "cpu-8",
+            "the mesh splits the batch over fsdp=2 x expert=2",
         ),
     ],
-    ids=["mesh", "microbatch", "kernel", "block", "residual", "residual_beside_data_and_fsdp"],
+    ids=["mesh", "microbatch", "kernel", "block", "residual", "residual_data_fsdp", "residual_fsdp_expert"],
 )
 def test_a_rule_that_cannot_apply_is_one_line(tmp_path, rule, target, message):
     with pytest.raises(Exception) as err:
@@ -258,24 +263,24 @@ def test_a_residual_split_over_model_is_the_same_model(tmp_path):
     jax.tree_util.tree_map_with_path(check, sharded_grads, grads)
 
 
-def test_xla_still_swaps_batch_rows_where_a_split_residual_meets_data_and_fsdp():
-    """Why shard_residual is refused where data and fsdp both split the batch (backends/common.residual_refused):
-    the smallest case of a layer's output projection onto the residual split over model, with the projection's
-    weight split over fsdp, as the rules give it. XLA permutes the input's batch rows into fsdp-major order to
-    multiply by the weight gathered over fsdp, and labels the result data-major: devices (data 0, fsdp 1) and
-    (data 1, fsdp 0) hold each other's rows. When this test fails, XLA partitions it right and the refusal can
-    go."""
-    mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+@pytest.mark.parametrize("batch", [("data", "fsdp"), ("data", "expert"), ("fsdp", "expert")], ids="x".join)
+def test_xla_still_swaps_batch_rows_where_a_split_residual_meets_a_batch_split_twice(batch):
+    """Why shard_residual is refused where two mesh axes split the batch (backends/common.residual_refused): the
+    smallest case of a layer's output projection onto the residual split over model, with the projection's weight
+    split over the second of the batch's axes, as the rules give `embed` fsdp and expert. XLA permutes the input's
+    batch rows into that axis's order to multiply by the weight gathered over it, and labels the result in the
+    batch's order: devices (0, 1) and (1, 0) of the two axes hold each other's rows. When this test fails, XLA
+    partitions it right and the refusal can go."""
+    mesh = jax.make_mesh((2, 2, 2), (*batch, "model"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
     heads = jax.random.normal(jax.random.key(0), (8, 4, 32))  # [batch, heads, head_dim]
     w_out = jax.random.normal(jax.random.key(1), (4, 32, 128))  # [heads, head_dim, embed]
-    batch = ("data", "fsdp")
 
     def project(heads, w_out):
         heads = jax.lax.with_sharding_constraint(heads, P(batch, "model", None))
         return jax.lax.with_sharding_constraint(jnp.einsum("bhd,hde->be", heads, w_out), P(batch, "model"))
 
     with jax.set_mesh(mesh):
-        placed = jax.device_put(w_out, jax.sharding.NamedSharding(mesh, P("model", None, "fsdp")))
+        placed = jax.device_put(w_out, jax.sharding.NamedSharding(mesh, P("model", None, batch[1])))
         split = np.asarray(jax.jit(project)(heads, placed))
     whole = np.asarray(jnp.einsum("bhd,hde->be", heads, w_out))
     wrong = [row for row in range(8) if not np.allclose(split[row], whole[row], atol=1e-3)]

@@ -152,7 +152,7 @@ def test_a_staged_pass_that_fits_is_also_tried_going_round_the_stages_twice():
 
 def test_the_rule_s_residual_split_goes_only_onto_the_meshes_that_can_take_it():
     """Llama 3.1 405B's rule splits the residual stream over model: the search keeps that choice on each mesh with
-    a model axis, and drops it where the mesh has none, or where data and fsdp both split the batch (which XLA
+    a model axis, and drops it where the mesh has none, or where two axes split the batch (which XLA
     miscompiles: backends/common.residual_refused), rather than compiling a mesh the build refuses."""
     spec = load_spec(ROOT / "axgen/specs/llama3_405b.py")
     plan = plan_for(spec, "gpu-h100-1024")

@@ -267,18 +267,19 @@ def _check_residual(plan: Plan) -> None:
 
 def residual_refused(mesh: dict[str, int]) -> str | None:
     """Why the residual stream cannot be split over `model` on this mesh, or None: what a rule asking for it is
-    refused with, and what keeps `axgen plan` from trying it. Where `data` and `fsdp` both split the batch, XLA's
-    SPMD partitioner (jax 0.12.0.1 and 0.11.2) computes a layer's output projection onto the split residual with
-    two devices' batch rows swapped: it permutes the input's rows into fsdp-major order for the weight's gather
-    and never permutes them back (tests/test_mesh_rules.py keeps the smallest case). A wrong model is refused, not
-    emitted."""
+    refused with, and what keeps `axgen plan` from trying it. Where two mesh axes split the batch (data x fsdp,
+    data x expert, fsdp x expert), XLA's SPMD partitioner (jax 0.12.0.1 and 0.11.2) computes a layer's output
+    projection onto the split residual with two devices' batch rows swapped: it permutes the input's rows into
+    the order of the axis that also splits the weight, for the weight's gather, and never permutes them back
+    (tests/test_mesh_rules.py keeps the smallest case). A wrong model is refused, not emitted."""
     if mesh["model"] == 1:
         return "the mesh has model=1; give it a model axis or drop shard_residual"
-    if mesh["data"] > 1 and mesh["fsdp"] > 1:
+    batch = [f"{axis}={mesh[axis]}" for axis in dict(LOGICAL_AXIS_RULES)["batch"] if mesh[axis] > 1]
+    if len(batch) > 1:
         return (
-            f"the mesh has data={mesh['data']} x fsdp={mesh['fsdp']}, and XLA's partitioner swaps batch rows "
-            "between devices where both split the batch and the residual is split over model (a wrong model, "
-            "not an error); use data=1 or drop shard_residual"
+            f"the mesh splits the batch over {' x '.join(batch)}, and XLA's partitioner swaps batch rows between "
+            "devices where two axes split the batch and the residual is split over model (a wrong model, not an "
+            "error); split the batch over one axis or drop shard_residual"
         )
     return None
 
