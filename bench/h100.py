@@ -201,8 +201,9 @@ def _program_rows(out, spec, name, target, build, compile_target) -> list[dict]:
     if name in ("dense", "mixtral width") and target.startswith("gpu") and STACK_CAST in source:
         cast_once = out / f"{spec.stem}_stack_cast_once.py"
         cast_once.write_text(source.replace(STACK_CAST, STACK_CAST_ONCE))
-        rows.append({**_row(f"{name}, the stack cast before the layers", cast_once, report), "sweep": True})
-        rows[-1].update(aot_peak=None, aot_fits=None)  # not the program AOT compiled
+        # Not the program AOT compiled: no peak to hold it to.
+        not_compiled = {"sweep": True, "aot_peak": None, "aot_fits": None}
+        rows.append(_row(f"{name}, the stack cast before the layers", cast_once, report) | not_compiled)
     if name == "dense" and target.startswith("gpu"):
         rows += [_row(f"dense, {what}", program, report, flags=flag) for what, flag in FLAGS.items()]
     return rows

@@ -50,7 +50,8 @@ class MeshRule(SpecNode):
     (MaxText's `activation_embed` over its tensor axis; Megatron's sequence parallelism splits the same tensor by
     position): each layer's input, which full remat keeps, is model times smaller. Inside each layer XLA gathers it
     over the model axis, and reduce-scatters the layer's output where it would otherwise all-reduce it (a host's
-    NVLink on an H100 box). Refused on a mesh without a model axis."""
+    NVLink on an H100 box). Refused on a mesh without a model axis, and where two mesh axes split the batch, which
+    XLA miscompiles (backends/common.residual_refused)."""
 
     pattern: str
     mesh: dict[str, int]
