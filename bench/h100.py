@@ -77,9 +77,10 @@ FLAGS = {
 KERNEL_SWITCH = (
     'GROUPED_MATMUL_IMPL = "ragged_dot" if os.environ.get("AXGEN_XLA_KERNELS") == "1" else "mosaic_gpu"'
 )
-# Each stacked layer's weights are cast to bf16 inside the scanned layer, not all at once before the layers: 0.7 GiB
-# less on the dense program, and on the chip dense ran 2.3% and the Mixtral width 9.9% slower than before that
-# change (docs/h100.md, 2026-11-28). A row of each with the whole stack cast first measures the two side by side.
+# GPU programs cast each stacked layer's weights to bf16 inside the scanned layer (MeshRule.stack_cast's default
+# there), not all at once before the layers: 0.7 GiB less on the dense program, and on the chip dense ran 2.3% and
+# the Mixtral width 9.9% slower than before that change (docs/h100.md, 2026-11-28). A row of each with the whole
+# stack cast first (the per-layer casts left in are then of bf16 to bf16) measures the two side by side.
 STACK_CAST = "runtime.in_compute_dtype(params, COMPUTE_DTYPE, STACKED)"
 STACK_CAST_ONCE = "runtime.in_compute_dtype(params, COMPUTE_DTYPE, [])"
 PLAN_TOP = 5

@@ -216,6 +216,10 @@ def test_rule_fields_are_checked_where_the_rule_is_written():
         Exception, match=r"MeshRule.moe_dispatch='ragged' is not one of all_gather, all_to_all"
     ):
         MeshRule(r"tpu-.*", {"expert": 4}, why="x", moe_dispatch="ragged")
+    with pytest.raises(
+        Exception, match=r"MeshRule.stack_cast='before' is not one of per_layer, before_layers; did you mean"
+    ):
+        MeshRule(r"tpu-.*", {}, why="x", stack_cast="before")
     assert MeshRule(r"cpu-8", {}, why="x", remat=Remat(policy="full")).matches("cpu-8")
 
 
@@ -261,6 +265,32 @@ def test_a_residual_split_over_model_is_the_same_model(tmp_path):
         np.testing.assert_allclose(grad, expected, atol=atol, err_msg=jax.tree_util.keystr(path))
 
     jax.tree_util.tree_map_with_path(check, sharded_grads, grads)
+
+
+def test_stacks_cast_before_the_layers_are_the_same_model(tmp_path):
+    """MeshRule.stack_cast='before_layers': no layer casts its own params, the whole stacks are cast first (STACKED
+    is empty), the program says which rule chose it, and the loss and every gradient are the per-layer program's
+    to the bit: the same casts of the same float32 params, made at another time."""
+    rule = 'MeshRule(r"cpu-1", {"fsdp": 1}, why="x", stack_cast="before_layers")'
+    cast_first = program_for(tmp_path, tiny_with(tmp_path, "cast_first", rule), "cpu-1")
+    per_layer = program_for(tmp_path, TINY, "cpu-1")
+    source = Path(cast_first.__file__).read_text()
+    assert cast_first.STACKED == [] and per_layer.STACKED == ["layers"]
+    assert "w.astype(COMPUTE_DTYPE), p)" not in source
+    assert "w.astype(COMPUTE_DTYPE), p)" in Path(per_layer.__file__).read_text()
+    assert "# cast to COMPUTE_DTYPE · specs/cast_first.py: mesh rule 'cpu-1' · before_layers: " in source
+
+    params = per_layer.init_params(jax.random.key(1))
+    tokens = jax.random.randint(jax.random.key(2), (4, 17), 0, 256)
+    results = [
+        jax.jit(jax.value_and_grad(program.loss_fn, has_aux=True))(params, tokens)
+        for program in (per_layer, cast_first)
+    ]
+    (loss, _), grads = results[0]
+    (loss_first, _), grads_first = results[1]
+    assert loss_first == loss
+    jax.tree.map(np.testing.assert_array_equal, grads_first, grads)
+    assert {g.dtype for g in jax.tree.leaves(grads_first)} == {jnp.dtype("float32")}
 
 
 @pytest.mark.parametrize("batch", [("data", "fsdp"), ("data", "expert"), ("fsdp", "expert")], ids="x".join)

@@ -3,6 +3,7 @@ allocator takes, ranks the rest by estimated step time, and with --write records
 """
 
 import dataclasses
+import json
 import shutil
 import types
 
@@ -14,6 +15,7 @@ from axgen.backends import plan_for
 from axgen.build import build, default_output
 from axgen.cli import main as axgen
 from axgen.loader import load_spec
+from axgen.spec import MeshRule
 from tests.conftest import ROOT
 
 # llama_tiny widened until keeping every activation of a 128-sequence pass no longer fits an H100.
@@ -173,6 +175,36 @@ def test_the_rule_s_residual_split_goes_only_onto_the_meshes_that_can_take_it():
         compiled.clear()
         planning._frontier(state, spec, plan, planning._full(mesh, 1024), "full", None)
         assert compiled == [split], mesh
+
+
+def test_every_candidate_keeps_the_modifiers_of_the_rule_it_stands_in_for():
+    """A candidate's rule goes before the target's own, so the modifiers the search does not vary
+    (plan.KEPT_MODIFIERS) come with it, through the JSON the compile process reads: the program each candidate
+    compiles, and the rule `axgen plan --write` writes, keep the allocator's share, the stack cast, the flags."""
+    rule = MeshRule(
+        "gpu-h100-8",
+        {"fsdp": -1},
+        why="x",
+        memory_fraction=0.5,
+        stack_cast="before_layers",
+        xla_flags=("--xla_gpu_enable_command_buffer=",),
+    )
+    spec = load_spec(ROOT / "axgen/specs/moe_tiny.py")
+    spec = spec.replace(mesh_rules=[rule], targets=["gpu-h100-8"])
+    plan = plan_for(spec, "gpu-h100-8")
+    compiled = [planning.own_candidate(spec, plan)]
+
+    def compile_candidate(candidate):
+        compiled.append(candidate)
+        return types.SimpleNamespace(fits=True, report=types.SimpleNamespace(fits=True))
+
+    state = types.SimpleNamespace(out_of_memory={}, compile=compile_candidate, outcomes=[], log=print)
+    planning._frontier(state, spec, plan, planning._full({"fsdp": 2, "expert": 4}, 8), "full", None)
+    for candidate in compiled:
+        fields = json.loads(json.dumps(candidate.fields()))
+        planned = plan_for(spec.replace(mesh_rules=[candidate_rule("gpu-h100-8", fields)]), "gpu-h100-8")
+        assert planned.memory_fraction == 0.5 and planned.stack_cast == "before_layers"
+        assert planned.xla_flags[-1] == "--xla_gpu_enable_command_buffer="
 
 
 def test_a_pass_whose_least_possible_peak_is_over_the_budget_is_pruned_without_compiling():

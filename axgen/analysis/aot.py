@@ -205,7 +205,8 @@ def compile_target(
 
 def candidate_rule(target: str, fields: dict) -> MeshRule:
     """A mesh rule for exactly `target` from plain fields: mesh, microbatch, remat (a policy name),
-    attention_block; what `axgen plan` tries, and writes into the spec."""
+    attention_block, and the modifiers of the rule it stands in for (plan.KEPT_MODIFIERS); what `axgen plan`
+    tries, and writes into the spec."""
     modifiers = {k: v for k, v in fields.items() if k not in ("mesh", "why")}
     if modifiers.get("remat"):
         modifiers["remat"] = Remat(policy=modifiers["remat"])

@@ -82,6 +82,17 @@ MAX_STAGES = 16
 CIRCULAR_ROUNDS = 2
 SPLASH_BLOCKS = (256, 512, 1024)
 BLOCKS_TRIED_ON = 3  # the best candidates whose splash block length is varied
+# The target's own rule's modifiers that the search does not vary: every candidate keeps the rule's.
+KEPT_MODIFIERS = (
+    "compute_dtype",
+    "attention",
+    "quantize_dtype",
+    "memory_fraction",
+    "moe_dispatch",
+    "moe_receive_capacity",
+    "stack_cast",
+    "xla_flags",
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +104,7 @@ class Candidate:
     pipeline_repeats: int = 1  # 1: GPipe; more: the circular schedule's rounds
     # MeshRule.shard_residual: the target's own rule's, on each mesh of the search it can split (residual_refused)
     shard_residual: bool = False
+    kept: tuple[tuple[str, object], ...] = ()  # KEPT_MODIFIERS the target's own rule sets (`kept_modifiers`)
 
     def fields(self) -> dict:
         """The mesh rule's fields (`aot.candidate_rule`)."""
@@ -100,6 +112,7 @@ class Candidate:
         fields["remat"] = self.remat
         fields |= {"pipeline_repeats": self.pipeline_repeats} if self.pipeline_repeats > 1 else {}
         fields |= {"shard_residual": True} if self.shard_residual else {}
+        fields |= dict(self.kept)
         return fields | ({"attention_block": self.attention_block} if self.attention_block else {})
 
     def mesh_text(self) -> str:
@@ -222,7 +235,13 @@ def own_candidate(spec: Model, plan: Plan) -> Candidate:
         plan.attention_block,
         plan.pipeline_repeats,
         plan.shard_residual,
+        kept_modifiers(plan),
     )
+
+
+def kept_modifiers(plan: Plan) -> tuple[tuple[str, object], ...]:
+    """The KEPT_MODIFIERS the target's own rule sets, which every candidate of the search keeps."""
+    return tuple((name, getattr(plan.rule, name)) for name in KEPT_MODIFIERS if getattr(plan.rule, name))
 
 
 def ranked(outcomes: list[Outcome]) -> list[Outcome]:
@@ -268,7 +287,9 @@ def _frontier(state: Search, spec: Model, plan: Plan, mesh: tuple, policy: str, 
                 f"needs at least {least / GIB:.2f} GiB, more than {plan.usable_bytes / GIB:.1f} usable"
             )
             continue
-        candidate = Candidate(mesh, microbatch, policy, block, shard_residual=residual)
+        candidate = Candidate(
+            mesh, microbatch, policy, block, shard_residual=residual, kept=kept_modifiers(plan)
+        )
         outcome = state.compile(candidate)
         if outcome is not None and outcome.fits and _goes_round(spec, mesh, microbatch):
             state.compile(dataclasses.replace(candidate, pipeline_repeats=CIRCULAR_ROUNDS))

@@ -12,6 +12,9 @@ from axgen.runtime.kernels import ATTENTION_KERNELS
 from axgen.spec import MESH_AXES, MeshRule, Model, Remat, SpecError
 
 GIB = 1024**3
+# MeshRule.stack_cast where neither the rule nor the chip's grouped matmul names one: per layer is the lower or
+# the same peak on every dense row compiled both ways (docs/aot.md).
+STACK_CAST = "per_layer"
 
 # Logical axis -> mesh axes, in MaxText's style. A mesh axis already used by an earlier dimension of the same
 # tensor is skipped, and one that would not divide the dimension with those taken before it (later axes are
@@ -80,6 +83,8 @@ class GroupedMatmul:
     # device holds (a masked dense dot, as XLA's GPU compiler rewrites ragged_dot): then the experts stay on the
     # kernel in bf16 unless a device holds one expert.
     ragged_dot_dense: bool = False
+    # MeshRule.stack_cast's default for a program with dropless experts on this chip.
+    stack_cast: str = STACK_CAST
 
 
 @dataclass(frozen=True)
@@ -158,6 +163,8 @@ class Plan:
     moe_dispatch_source: str  # the rule or backend default it came from
     moe_receive_capacity: float | None  # the rule's bound on the all-to-all's receive buffer (MeshRule's)
     shard_residual: bool  # the residual stream between layers split over `model` too (MeshRule's)
+    stack_cast: str  # when the stacked layers' params become compute_dtype (STACK_CASTS)
+    stack_cast_source: str  # the rule or backend default it came from
     memory_fraction: float | None
     logical_axis_rules: tuple[tuple[str, tuple[str, ...]], ...] = LOGICAL_AXIS_RULES
 
@@ -246,6 +253,7 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
         ),
         moe_receive_capacity=rule.moe_receive_capacity,
         shard_residual=bool(rule.shard_residual),
+        **_stack_cast(rule, family, spec),
         memory_fraction=rule.memory_fraction or family.memory_fraction,
     )
     _check_attention(plan, family, spec)
@@ -364,6 +372,18 @@ def stages_refused(spec: Model, stages: int) -> str | None:
             "built; use dropout=0.0"
         )
     return None
+
+
+def _stack_cast(rule: MeshRule, family: Family, spec: Model) -> dict[str, str]:
+    """Plan.stack_cast and where it came from: the rule's, else the chip's for a program with dropless experts
+    (GroupedMatmul.stack_cast), else STACK_CAST."""
+    moe = spec.feature("moe")
+    if rule.stack_cast:
+        return {"stack_cast": rule.stack_cast, "stack_cast_source": rule.provenance}
+    if family.grouped_matmul and moe and moe.capacity_factor is None:
+        source = f"backends/{family.name}.py: grouped_matmul"
+        return {"stack_cast": family.grouped_matmul.stack_cast, "stack_cast_source": source}
+    return {"stack_cast": STACK_CAST, "stack_cast_source": "backends/common.py: STACK_CAST"}
 
 
 def _moe_dispatch(dispatch: str, family: Family) -> str:

@@ -22,7 +22,7 @@ from axgen.runtime.kernels import (
     ATTENTION_OPTIONS,
     GROUPED_MATMUL_KERNELS,
 )
-from axgen.spec import REMAT_POLICIES
+from axgen.spec import REMAT_POLICIES, STACK_CASTS
 
 # Activations whose sharding the program pins: the residual stream at each layer boundary and the logits. XLA
 # propagates the rest from the params.
@@ -245,6 +245,15 @@ def moe_dispatch(g: Graph, plan: Plan) -> None:
         if plan.moe_receive_capacity is not None:
             aux = (*node.attrs.aux, "dropped_fraction")  # the dropped copies counted, as the capacity path's
             g.update(node, receive_capacity=plan.moe_receive_capacity, aux=aux)
+
+
+def stack_cast(g: Graph, plan: Plan) -> None:
+    """When the stacked layers' params become COMPUTE_DTYPE (`stack_cast`: the rule's or STACK_CAST), and why."""
+    g.attrs["stack_cast"] = {
+        "name": plan.stack_cast,
+        "source": plan.stack_cast_source,
+        "why": STACK_CASTS[plan.stack_cast],
+    }
 
 
 def remat(g: Graph, plan: Plan) -> None:
@@ -490,6 +499,7 @@ STEPS: tuple[Callable[[Graph, Plan], None], ...] = (
     dot_kind,
     grouped_matmul,
     moe_dispatch,
+    stack_cast,
     remat,
     scan_grouping,
     pipeline,

@@ -89,7 +89,9 @@ def _context(env, graph: Graph, output_name: str) -> dict:
         "params_tree": _params_tree(graph),
         "helpers": _helpers(env, nodes, graph.attrs),
         "blocks": _blocks(env, graph),
-        "stacked": [region.name for region in graph.blocks()],
+        "stacked": (
+            [r.name for r in graph.blocks()] if graph.attrs["stack_cast"]["name"] == "per_layer" else []
+        ),
         "groups": groups,
         "regroup": any(call.per_step > 1 for group in groups for call in group["calls"]),
         "main_lines": _lines(env, graph, "main", param_root="params"),

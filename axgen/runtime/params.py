@@ -67,8 +67,8 @@ def adapters_off(params: dict, specs) -> dict:
 
 
 def in_compute_dtype(params: dict, dtype, stacked) -> dict:
-    """The params in `dtype`, but for the `stacked` blocks', which each layer casts as it runs: a cast of a whole
-    stack would hold a second copy of every layer's weights for the step."""
+    """The params in `dtype`, but for the `stacked` blocks', which each layer casts as it runs (the program's
+    lowering chose which: its stack_cast step)."""
     return {k: v if k in stacked else jax.tree.map(lambda w: w.astype(dtype), v) for k, v in params.items()}
 
 

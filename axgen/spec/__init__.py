@@ -39,7 +39,7 @@ from axgen.spec.feature_configs import (
     features,
 )
 from axgen.spec.model import Model
-from axgen.spec.targets import ATTENTION_KERNELS, COMPUTE_DTYPES, MESH_AXES, MeshRule
+from axgen.spec.targets import ATTENTION_KERNELS, COMPUTE_DTYPES, MESH_AXES, STACK_CASTS, MeshRule
 from axgen.spec.training import AdamW, Train
 from axgen.spec.validation import Origin, SpecError, SpecNode, display_path, suggest
 

@@ -20,6 +20,17 @@ ATTENTION_KERNELS = ("xla", "splash", "cudnn")
 # every device (all_gather), or each copy only to its expert's device and back (all_to_all: the backend picks the
 # collective, ragged where the chip's compiler has one).
 MOE_DISPATCHES = ("all_gather", "all_to_all")
+# When each stacked block's params (stored float32) become the compute dtype, and why that way (MeshRule.stack_cast).
+STACK_CASTS = {
+    "per_layer": (
+        "each layer casts its own params inside the scan, where it runs: no second copy of the stack is held, and "
+        "XLA fuses the cast into the layer's dots"
+    ),
+    "before_layers": (
+        "each stack is cast whole before the layers: a copy of it is held while they run, and the backward scan "
+        "keeps the stack's gradients in the compute dtype until it ends"
+    ),
+}
 COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
@@ -51,7 +62,11 @@ class MeshRule(SpecNode):
     position): each layer's input, which full remat keeps, is model times smaller. Inside each layer XLA gathers it
     over the model axis, and reduce-scatters the layer's output where it would otherwise all-reduce it (a host's
     NVLink on an H100 box). Refused on a mesh without a model axis, and where two mesh axes split the batch, which
-    XLA miscompiles (backends/common.residual_refused)."""
+    XLA miscompiles (backends/common.residual_refused).
+    `stack_cast` is when the stacked layers' params become the compute dtype (STACK_CASTS). The default is per
+    layer, but for dropless experts on TPU (before the layers): compiled both ways, per layer is the lower or the
+    same peak on the dense rows and the GPU MoE rows, and 2 to 11 GiB a chip higher on the TPU MoE rows
+    (docs/aot.md)."""
 
     pattern: str
     mesh: dict[str, int]
@@ -69,6 +84,7 @@ class MeshRule(SpecNode):
     moe_dispatch: str | None = None
     moe_receive_capacity: float | None = None
     shard_residual: bool | None = None
+    stack_cast: str | None = None
     xla_flags: tuple[str, ...] = ()
 
     def validate(self) -> None:
@@ -90,6 +106,7 @@ class MeshRule(SpecNode):
             ("attention", ATTENTION_KERNELS),
             ("quantize_dtype", QUANTIZE_DTYPES),
             ("moe_dispatch", MOE_DISPATCHES),
+            ("stack_cast", STACK_CASTS),
         ):
             value = getattr(self, name)
             if value is not None and value not in known:

@@ -173,9 +173,8 @@ def rms_norm(x, scale, eps):
 REMAT_POLICY = jax.checkpoint_policies.save_only_these_names("qkv_proj", "out_proj", "mlp_in", "mlp_out")
 
 
-# Each stacked block's params are cast to COMPUTE_DTYPE a layer at a time, where the layer runs: a cast of the whole
-# stack first would hold a second copy of every layer's weights for the step.
-STACKED = ["layers", "moe_layers"]
+# cast to COMPUTE_DTYPE · backends/common.py: STACK_CAST · per_layer: each layer casts its own params inside the scan, where it runs: no second copy of the stack is held, and XLA fuses the cast into the layer's dots
+STACKED = ["layers", "moe_layers"]  # the blocks whose layers cast their own params
 
 
 @functools.partial(jax.checkpoint, policy=REMAT_POLICY, prevent_cse=False)  # called only under scan

@@ -194,15 +194,13 @@ ROPE_SCALING = {
 REMAT_POLICY = jax.checkpoint_policies.save_only_these_names("qkv_proj", "out_proj", "mlp_in", "mlp_out")
 
 
-# Each stacked block's params are cast to COMPUTE_DTYPE a layer at a time, where the layer runs: a cast of the whole
-# stack first would hold a second copy of every layer's weights for the step.
-STACKED = ["layers", "global_layers"]
+# cast to COMPUTE_DTYPE · backends/tpu.py: grouped_matmul · before_layers: each stack is cast whole before the layers: a copy of it is held while they run, and the backward scan keeps the stack's gradients in the compute dtype until it ends
+STACKED = []  # the blocks whose layers cast their own params
 
 
 @functools.partial(jax.checkpoint, policy=REMAT_POLICY, prevent_cse=False)  # called only under scan
 def decoder_layer(x, p, positions, segment_ids):
     """One of the 12 layers: x [batch, seq, embed] -> (same, auxiliary losses). `p` holds this layer's params; `positions` and `segment_ids` [batch, seq] say where each token is in which document."""
-    p = jax.tree.map(lambda w: w.astype(COMPUTE_DTYPE), p)
     # norm · specs/gpt_oss_20b.py: decoder.norm
     attn_norm = rms_norm(x, p["attn_norm"], eps=1e-05)  # [batch, seq, embed=2880]
     # attention · specs/gpt_oss_20b.py: decoder.attention
@@ -295,7 +293,6 @@ def decoder_layer(x, p, positions, segment_ids):
 @functools.partial(jax.checkpoint, policy=REMAT_POLICY, prevent_cse=False)  # called only under scan
 def global_decoder_layer(x, p, positions, segment_ids):
     """One of the 12 global_layers: x [batch, seq, embed] -> (same, auxiliary losses). `p` holds this layer's params; `positions` and `segment_ids` [batch, seq] say where each token is in which document."""
-    p = jax.tree.map(lambda w: w.astype(COMPUTE_DTYPE), p)
     # norm · specs/gpt_oss_20b.py: decoder.norm
     attn_norm = rms_norm(x, p["attn_norm"], eps=1e-05)  # [batch, seq, embed=2880]
     # attention · specs/gpt_oss_20b.py: decoder.attention

@@ -140,9 +140,8 @@ def rms_norm(x, scale, eps):
     return scale * normed.astype(x.dtype)
 
 
-# Each stacked block's params are cast to COMPUTE_DTYPE a layer at a time, where the layer runs: a cast of the whole
-# stack first would hold a second copy of every layer's weights for the step.
-STACKED = ["layers"]
+# cast to COMPUTE_DTYPE · backends/common.py: STACK_CAST · per_layer: each layer casts its own params inside the scan, where it runs: no second copy of the stack is held, and XLA fuses the cast into the layer's dots
+STACKED = ["layers"]  # the blocks whose layers cast their own params
 
 
 def decoder_layer(x, p, positions, segment_ids):

@@ -158,15 +158,13 @@ def rms_norm(x, scale, eps):
 REMAT_POLICY = jax.checkpoint_policies.nothing_saveable
 
 
-# Each stacked block's params are cast to COMPUTE_DTYPE a layer at a time, where the layer runs: a cast of the whole
-# stack first would hold a second copy of every layer's weights for the step.
-STACKED = ["layers"]
+# cast to COMPUTE_DTYPE · backends/tpu.py: grouped_matmul · before_layers: each stack is cast whole before the layers: a copy of it is held while they run, and the backward scan keeps the stack's gradients in the compute dtype until it ends
+STACKED = []  # the blocks whose layers cast their own params
 
 
 @functools.partial(jax.checkpoint, policy=REMAT_POLICY, prevent_cse=False)  # called only under scan
 def decoder_layer(x, p, positions, segment_ids):
     """One of the 94 layers: x [batch, seq, embed] -> (same, auxiliary losses). `p` holds this layer's params; `positions` and `segment_ids` [batch, seq] say where each token is in which document."""
-    p = jax.tree.map(lambda w: w.astype(COMPUTE_DTYPE), p)
     # norm · specs/qwen2_7b.py: decoder.norm
     attn_norm = rms_norm(x, p["attn_norm"], eps=1e-06)  # [batch, seq, embed=4096]
     # attention · specs/qwen3_235b_a22b.py: decoder.attention
