@@ -180,7 +180,8 @@ def test_the_rule_s_residual_split_goes_only_onto_the_meshes_that_can_take_it():
 def test_every_candidate_keeps_the_modifiers_of_the_rule_it_stands_in_for():
     """A candidate's rule goes before the target's own, so the modifiers the search does not vary
     (plan.KEPT_MODIFIERS) come with it, through the JSON the compile process reads: the program each candidate
-    compiles, and the rule `axgen plan --write` writes, keep the allocator's share, the stack cast, the flags."""
+    compiles, and the rule `axgen plan --write` writes, keep the allocator's share, the stack cast, the flags.
+    """
     rule = MeshRule(
         "gpu-h100-8",
         {"fsdp": -1},

@@ -154,7 +154,7 @@ def family(generation: str) -> Family:
         # megablox.gmm takes no int8 or fp8 operands (runtime/kernels.py); XLA's TPU ragged_dot is a grouped matmul
         # kernel of its own that takes int8 with int32 accumulation (compiled deviceless for tpu-v5p-8; v5p and v5e
         # have no fp8 units, so it converts fp8 operands to bf16 first).
-        # Compiled both ways (docs/aot.md), every stack cast before the layers took 2.0 to 10.9 GiB a chip off the MoE
+        # Compiled both ways (docs/aot.md), every stack cast before the layers took 1.7 to 10.9 GiB a chip off the MoE
         # rows' per-layer peaks (Qwen3-235B-A22B on v5p-256: 67.22 -> 56.28) at the same eval peaks. Mixtral's
         # buffer assignment shows one cause (docs/maxtext.md): per layer, the backward scan converts each layer's
         # expert gradients to float32 inside the loop and stacks them there.
