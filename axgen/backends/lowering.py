@@ -248,7 +248,8 @@ def moe_dispatch(g: Graph, plan: Plan) -> None:
 
 
 def stack_cast(g: Graph, plan: Plan) -> None:
-    """When the stacked layers' params become COMPUTE_DTYPE (`stack_cast`: the rule's or STACK_CAST), and why."""
+    """When the stacked layers' params become COMPUTE_DTYPE (`stack_cast`: the rule's, the chip's for dropless
+    experts, or STACK_CAST; backends/common._stack_cast), and why."""
     g.attrs["stack_cast"] = {
         "name": plan.stack_cast,
         "source": plan.stack_cast_source,
