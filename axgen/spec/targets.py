@@ -23,8 +23,7 @@ MOE_DISPATCHES = ("all_gather", "all_to_all")
 # When each stacked block's params (stored float32) become the compute dtype, and why that way (MeshRule.stack_cast).
 STACK_CASTS = {
     "per_layer": (
-        "each layer casts its own params inside the scan, where it runs: no second copy of the stack is held, and "
-        "XLA fuses the cast into the layer's dots"
+        "each layer casts its own params inside the scan, where it runs: no second copy of the stack is held"
     ),
     "before_layers": (
         "each stack is cast whole before the layers: a copy of it is held while they run, and the backward scan "
@@ -65,7 +64,7 @@ class MeshRule(SpecNode):
     XLA miscompiles (backends/common.residual_refused).
     `stack_cast` is when the stacked layers' params become the compute dtype (STACK_CASTS). The default is per
     layer, but for dropless experts on TPU (before the layers): compiled both ways, per layer is the lower or the
-    same peak on the dense rows and the GPU MoE rows, and 2 to 11 GiB a chip higher on the TPU MoE rows
+    same peak on the dense rows and the GPU MoE rows, and 1.7 to 10.9 GiB a chip higher on the TPU MoE rows
     (docs/aot.md)."""
 
     pattern: str

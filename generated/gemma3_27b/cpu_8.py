@@ -175,7 +175,7 @@ def rms_norm(x, scale, eps):
 ROPE_SCALING = {"rule": "linear", "factor": 8.0}
 
 
-# cast to COMPUTE_DTYPE · backends/common.py: STACK_CAST · per_layer: each layer casts its own params inside the scan, where it runs: no second copy of the stack is held, and XLA fuses the cast into the layer's dots
+# cast to COMPUTE_DTYPE · backends/common.py: STACK_CAST · per_layer: each layer casts its own params inside the scan, where it runs: no second copy of the stack is held
 STACKED = ["layers", "tail_layers", "global_layers"]  # the blocks whose layers cast their own params
 
 
