@@ -284,6 +284,34 @@ def test_the_hosts_checksum_is_the_devices(dtype):
     assert host_checksum(flipped.view(array.dtype)) != int(checksum(array))
 
 
+def test_one_process_saves_a_replicated_array_without_a_program_per_replica_and_reads_it_back(
+    tmp_path, caplog
+):
+    """orbax's replica-parallel write cuts each replicated array into parts by programs of their own (one per shape
+    and device, compiled at the first save); in one process the run writes each array from one replica instead,
+    and the checkpoint reads back to the bit."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from axgen.runtime import checkpoints
+
+    mesh = jax.make_mesh((4, 2), ("data", "fsdp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    weights = jax.device_put(
+        jax.random.normal(jax.random.key(0), (8, 24)), NamedSharding(mesh, P(None, "fsdp"))
+    )
+    state = {"step": jax.device_put(np.int32(1), NamedSharding(mesh, P())), "params": {"w": weights}}
+    with checkpoints.manager(tmp_path, 1) as manager, jax.log_compiles(True):
+        checkpoints.save(manager, state)
+        manager.wait_until_finished()
+        abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+        restored, damage = checkpoints.verified(manager, 1, abstract)
+    slicing = [r.getMessage() for r in caplog.records if "Compiling jit(slice)" in r.getMessage()]
+    assert not slicing, slicing[:2]
+    assert damage is None
+    np.testing.assert_array_equal(np.asarray(restored["params"]["w"]), np.asarray(weights))
+
+
 def test_export_hf_takes_the_newest_checkpoint_whose_params_verify(two_checkpoints, tmp_path, capsys):
     source, _ = two_checkpoints
     run_dir = tmp_path / "run"
