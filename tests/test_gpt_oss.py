@@ -74,7 +74,7 @@ def test_sharded_biased_experts_equal_one_device(mesh_shape, tmp_path):
     params = biased_params(program)
     tokens = jax.random.randint(jax.random.key(2), (8, 17), 0, 256)
     grad_fn = jax.value_and_grad(program.loss_fn, has_aux=True)
-    (loss, _), grads = grad_fn(params, tokens)
+    (loss, _), grads = jax.jit(grad_fn)(params, tokens)
     mesh = jax.make_mesh(
         mesh_shape, ("data", "fsdp", "expert", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 4
     )

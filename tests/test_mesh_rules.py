@@ -254,7 +254,7 @@ def test_a_residual_split_over_model_is_the_same_model(tmp_path):
     params = program.init_params(jax.random.key(1))
     tokens = jax.random.randint(jax.random.key(2), (8, 17), 0, 256)
     grad_fn = jax.value_and_grad(program.loss_fn, has_aux=True)
-    (loss, _), grads = grad_fn(params, tokens)
+    (loss, _), grads = jax.jit(grad_fn)(params, tokens)
     with jax.set_mesh(mesh):
         placed = jax.device_put(params, Program.from_module(program).param_shardings(mesh))
         (sharded_loss, _), sharded_grads = jax.jit(grad_fn)(placed, tokens)

@@ -174,22 +174,41 @@ def tpu_program(tmp_path):
     return program
 
 
+def one_device_inputs(program):
+    return program.init_params(jax.random.key(1)), jax.random.randint(jax.random.key(2), (8, 17), 0, 256)
+
+
+@pytest.fixture(scope="module")
+def one_device_cpu_8():
+    """generated/moe_tiny/cpu_8.py, its params, a batch, and its loss, metrics and gradients on one device: the
+    reference every mesh of it is checked against, compiled once."""
+    program = load_program(ROOT / "generated/moe_tiny/cpu_8.py")
+    params, tokens = one_device_inputs(program)
+    return program, params, tokens, jax.jit(jax.value_and_grad(program.loss_fn, has_aux=True))(params, tokens)
+
+
 @pytest.mark.parametrize(
     "target, mesh_shape",
-    [("cpu-8", (2, 1, 2, 2)), ("cpu-8", (1, 2, 2, 2)), ("cpu-8", (1, 8, 1, 1)), ("tpu-v5e-8", (2, 1, 2, 2))],
-    ids=["data_expert_model", "fsdp_expert_model", "fsdp", "tpu_unchecked_data_expert_model"],
+    [
+        # slow tier: the TPU program below runs on the same mesh in the quick one
+        pytest.param("cpu-8", (2, 1, 2, 2), id="data_expert_model", marks=pytest.mark.slow),
+        pytest.param("cpu-8", (1, 2, 2, 2), id="fsdp_expert_model"),
+        pytest.param("cpu-8", (1, 8, 1, 1), id="fsdp"),
+        pytest.param("tpu-v5e-8", (2, 1, 2, 2), id="tpu_unchecked_data_expert_model"),
+    ],
 )
-def test_sharded_moe_equals_one_device_in_loss_auxiliary_losses_and_gradients(target, mesh_shape, tmp_path):
+def test_sharded_moe_equals_one_device_in_loss_auxiliary_losses_and_gradients(
+    target, mesh_shape, one_device_cpu_8, tmp_path
+):
     """Each device routes its own tokens (with expert parallelism, its expert group's): the loss, the auxiliary
     losses (means over the whole batch, not one device's rows) and every gradient equal the one-device run."""
     if target == "cpu-8":
-        program = load_program(ROOT / "generated/moe_tiny/cpu_8.py")
+        program, params, tokens, ((loss, metrics), grads) = one_device_cpu_8
     else:
         program = tpu_program(tmp_path)
-    params = program.init_params(jax.random.key(1))
-    tokens = jax.random.randint(jax.random.key(2), (8, 17), 0, 256)
+        params, tokens = one_device_inputs(program)
+        (loss, metrics), grads = jax.jit(jax.value_and_grad(program.loss_fn, has_aux=True))(params, tokens)
     grad_fn = jax.value_and_grad(program.loss_fn, has_aux=True)
-    (loss, metrics), grads = grad_fn(params, tokens)
     axis_types = (jax.sharding.AxisType.Auto,) * 4
     mesh = jax.make_mesh(mesh_shape, ("data", "fsdp", "expert", "model"), axis_types=axis_types)
     with jax.set_mesh(mesh):
@@ -368,8 +387,11 @@ class UncheckedKernels:
 
 @pytest.mark.parametrize(
     "rule, mesh_shape",
-    [(None, (1, 8, 1, 1)), ("all_gather", (2, 1, 4, 1))],
-    ids=["fsdp", "data_expert"],
+    [
+        # slow tier: with expert parallelism (quick tier) the kernels' gradients meet the same batch sum and more
+        pytest.param(None, (1, 8, 1, 1), id="fsdp", marks=pytest.mark.slow),
+        pytest.param("all_gather", (2, 1, 4, 1), id="data_expert"),
+    ],
 )
 def test_mosaic_gpu_kernel_gradients_sum_over_the_batch_like_ragged_dot(
     tmp_path, monkeypatch, rule, mesh_shape

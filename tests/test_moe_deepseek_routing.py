@@ -210,7 +210,7 @@ def test_loads_add_up_over_microbatches_and_over_devices(tmp_path):
     params = skewed(program.init_params(jax.random.key(1)))
     tokens = jax.random.randint(jax.random.key(2), (8, 17), 0, 256)
     grad_fn = jax.value_and_grad(program.loss_fn, has_aux=True)
-    (loss, metrics), grads = grad_fn(params, tokens)
+    (loss, metrics), grads = jax.jit(grad_fn)(params, tokens)
     load = np.asarray(grads["moe_layers"]["correction_bias"])
     assert load.sum(-1).tolist() == [8 * 16 * 2] * 2 and load.max() > 2 * load.min()
     batch = (tokens, jnp.ones_like(tokens), jnp.ones_like(tokens))

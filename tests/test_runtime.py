@@ -136,8 +136,8 @@ def test_the_cross_entropy_equals_optax_in_value_and_gradient_and_keeps_one_logi
         # the same values, and a step that compiles.
         ("llama_tiny", {"data": 2, "fsdp": 2, "model": 2}),
         # Without experts the expert axis splits the batch and, as in MaxText, the weights' embed: one more fsdp
-        # axis, not a replica axis.
-        ("llama_tiny", {"data": 2, "fsdp": 2, "expert": 2}),
+        # axis, not a replica axis. (Slow tier: its program is the first mesh's with one more fsdp axis.)
+        pytest.param("llama_tiny", {"data": 2, "fsdp": 2, "expert": 2}, marks=pytest.mark.slow),
     ],
 )
 def test_replicas_sum_their_own_passes_and_the_step_equals_one_pass_over_the_batch(base, mesh, tmp_path):

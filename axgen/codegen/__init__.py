@@ -1,4 +1,4 @@
-"""Emission: graph + plan -> one standalone, black-formatted, libcst-checked Python training program."""
+"""Emission: graph + plan -> one standalone, black-formatted, compile-checked Python training program."""
 
 from axgen.codegen.emit import EmitError, emit
 
