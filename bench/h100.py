@@ -1,7 +1,7 @@
 """The truth table on one H100: tokens/s, MFU and peak memory, predicted by `axgen aot` and measured, for the dense,
 fp8, Llama-3-8B-width and Mixtral-width programs, the Mixtral-width one with XLA's ragged_dot and with the Mosaic
 GPU kernel side by side, the dense one under each XLA flag worth trying, the dense and Mixtral-width ones with their
-stacked layers' weights cast to bf16 all at once before the layers (STACK_CAST), and `axgen plan`'s top five for
+stacked layers' weights cast to bf16 all at once before the layers (MeshRule.stack_cast), and `axgen plan`'s top five for
 the dense model (its first choice against the fastest measured). MaxText on the same dense model where it is installed.
 
     .venv/bin/python bench/h100.py prepare            # on a host with axgen: programs, dataset, AOT peaks, plan
@@ -79,10 +79,9 @@ KERNEL_SWITCH = (
 )
 # GPU programs cast each stacked layer's weights to bf16 inside the scanned layer (MeshRule.stack_cast's default
 # there), not all at once before the layers: 0.7 GiB less on the dense program, and on the chip dense ran 2.3% and
-# the Mixtral width 9.9% slower than before that change (docs/h100.md, 2026-11-28). A row of each with the whole
-# stack cast first (the per-layer casts left in are then of bf16 to bf16) measures the two side by side.
-STACK_CAST = "runtime.in_compute_dtype(params, COMPUTE_DTYPE, STACKED)"
-STACK_CAST_ONCE = "runtime.in_compute_dtype(params, COMPUTE_DTYPE, [])"
+# the Mixtral width 9.9% slower than before that change (docs/h100.md, 2026-11-28). A row of each built with the
+# target's own rule and stack_cast="before_layers", compiled AOT like the others, measures the two side by side.
+STACK_CAST_ROWS = ("dense", "mixtral width")
 PLAN_TOP = 5
 RESULTS = "results.jsonl"
 CUT = "stopped after --row-seconds"
@@ -187,6 +186,11 @@ def _install_missing_wheels(directory: Path) -> None:
 
 
 def _program_rows(out, spec, name, target, build, compile_target) -> list[dict]:
+    from axgen.analysis.aot import candidate_rule
+    from axgen.analysis.plan import own_candidate
+    from axgen.backends import plan_for
+    from axgen.loader import load_spec
+
     source = build(spec, target).source
     program = out / f"{spec.stem}.py"
     program.write_text(source)
@@ -199,12 +203,19 @@ def _program_rows(out, spec, name, target, build, compile_target) -> list[dict]:
             _row(f"{name}, ragged_dot", ragged, report),
             _row(f"{name}, Mosaic GPU kernel", program, report),
         ]
-    if name in ("dense", "mixtral width") and target.startswith("gpu") and STACK_CAST in source:
-        cast_once = out / f"{spec.stem}_stack_cast_once.py"
-        cast_once.write_text(source.replace(STACK_CAST, STACK_CAST_ONCE))
-        # Not the program AOT compiled: no peak to hold it to.
-        not_compiled = {"sweep": True, "aot_peak": None, "aot_fits": None}
-        rows.append(_row(f"{name}, the stack cast before the layers", cast_once, report) | not_compiled)
+    if name in STACK_CAST_ROWS and target.startswith("gpu"):
+        loaded = load_spec(spec)
+        fields = own_candidate(loaded, plan_for(loaded, target)).fields()
+        fields |= {
+            "stack_cast": "before_layers",
+            "why": "bench: the target's own rule, its stacks cast first",
+        }
+        cast_first = out / f"{spec.stem}_stack_cast_before_layers.py"
+        cast_first.write_text(build(spec, target, candidate_rule(target, fields)).source)
+        cast_report = compile_target(spec, target, rule=fields)
+        rows.append(
+            _row(f"{name}, the stack cast before the layers", cast_first, cast_report) | {"sweep": True}
+        )
     if name == "dense" and target.startswith("gpu"):
         rows += [_row(f"dense, {what}", program, report, flags=flag) for what, flag in FLAGS.items()]
     return rows
