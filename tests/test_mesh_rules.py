@@ -333,8 +333,15 @@ def one_step(program, tokens):
 
 @pytest.mark.parametrize(
     "features",
-    ["tiny.features", '[*tiny.features, F.quantize(dtype="fp8", scaling="delayed", emulate=True)]'],
-    ids=["dense", "fp8_delayed"],
+    [
+        pytest.param("tiny.features", id="dense"),
+        # slow tier: the quick one keeps test_quantize's delayed scaling and this test's accumulation
+        pytest.param(
+            '[*tiny.features, F.quantize(dtype="fp8", scaling="delayed", emulate=True)]',
+            id="fp8_delayed",
+            marks=pytest.mark.slow,
+        ),
+    ],
 )
 def test_gradient_accumulation_equals_the_one_pass_step(tmp_path, features):
     rule = 'MeshRule(r"cpu-1", {}, why="four passes of four sequences", microbatch=4)'

@@ -42,7 +42,7 @@ def test_forward_matches_hf_mixtral_logits(mixtral):
     fixture, program, params = mixtral
     config = json.loads(str(fixture["config"]))
     assert (config["num_local_experts"], config["num_experts_per_tok"]) == (4, 2)
-    logits = program.forward(params, fixture["input_ids"])
+    logits = jax.jit(program.forward)(params, fixture["input_ids"])
     assert logits.dtype == np.float32
     np.testing.assert_allclose(np.asarray(logits), fixture["logits"], atol=1e-4, rtol=1e-4)
 
@@ -61,7 +61,7 @@ def load_balance_by_hand(router_logits, top_k):
 def test_auxiliary_losses_match_the_formulas_by_hand(mixtral):
     fixture, program, params = mixtral
     router_logits = fixture["router_logits"].astype(np.float64)  # [layers, batch * seq, experts], from HF
-    _, aux = program.forward_with_aux(params, fixture["input_ids"])
+    _, aux = jax.jit(program.forward_with_aux)(params, fixture["input_ids"])
     per_layer = [load_balance_by_hand(layer, top_k=2) for layer in router_logits]
     np.testing.assert_allclose(float(aux["load_balance_loss"]), np.mean(per_layer), rtol=1e-5)
     z_loss = np.mean([np.mean(np.log(np.exp(layer).sum(-1)) ** 2) for layer in router_logits])
@@ -100,9 +100,11 @@ def test_generous_capacity_drops_nothing_and_equals_dropless(tmp_path):
     roomy = capacity_variant(tmp_path, capacity_factor=2.0, every=2)  # 2 experts * 2 = every token fits
     params = dropless.init_params(jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, 256)
-    logits, aux = roomy.forward_with_aux(params, tokens)
+    logits, aux = jax.jit(roomy.forward_with_aux)(params, tokens)
     assert float(aux["dropped_fraction"]) == 0.0
-    np.testing.assert_allclose(np.asarray(logits), np.asarray(dropless.forward(params, tokens)), atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(logits), np.asarray(jax.jit(dropless.forward)(params, tokens)), atol=1e-5
+    )
 
 
 def test_tight_capacity_drops_the_overflow_and_reports_it(tmp_path):

@@ -24,7 +24,7 @@ def reference():
     program = load_program(ROOT / "generated/llama_tiny/cpu_1.py")
     params = program.init_params(jax.random.key(0))
     tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
-    return params, tokens, np.asarray(program.forward(params, tokens))
+    return params, tokens, np.asarray(jax.jit(program.forward)(params, tokens))
 
 
 @pytest.mark.parametrize("target", TARGETS)
@@ -32,7 +32,7 @@ def test_every_target_program_matches_the_cpu_reference(target, reference, monke
     monkeypatch.setenv("AXGEN_XLA_KERNELS", "1")
     program = load_program(ROOT / "generated/llama_tiny" / f"{target.replace('-', '_')}.py")
     params, tokens, expected = reference
-    logits = np.asarray(program.forward(params, tokens), dtype=np.float32)
+    logits = np.asarray(jax.jit(program.forward)(params, tokens), dtype=np.float32)
     tolerance = 0.05 if program.COMPUTE_DTYPE == jax.numpy.bfloat16 else 1e-5
     np.testing.assert_allclose(logits, expected, atol=tolerance * np.abs(expected).max())
 
