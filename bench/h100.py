@@ -1,8 +1,8 @@
 """The truth table on one H100: tokens/s, MFU and peak memory, predicted by `axgen aot` and measured, for the dense,
 fp8, Llama-3-8B-width and Mixtral-width programs, the Mixtral-width one with XLA's ragged_dot and with the Mosaic
 GPU kernel side by side, the dense one under each XLA flag worth trying, the dense and Mixtral-width ones with their
-stacked layers' weights cast to bf16 all at once before the layers (MeshRule.stack_cast), and `axgen plan`'s top five for
-the dense model (its first choice against the fastest measured). MaxText on the same dense model where it is installed.
+stacked layers' weights cast to bf16 all at once before the layers (MeshRule.stack_cast), and `axgen plan`'s top
+five for the dense model (its first choice against the fastest measured). MaxText on the same dense model where it is installed.
 
     .venv/bin/python bench/h100.py prepare            # on a host with axgen: programs, dataset, AOT peaks, plan
     python bench/h100.py run --out docs/h100.md       # on the H100: needs jax, optax, orbax (tensorboardX travels)
@@ -91,7 +91,7 @@ WHEELS = ("tensorboardX==2.6.5", "protobuf==7.36.2")
 
 def prepare(out: Path, target: str, seq_len: int, batch: int, tiny: bool, plan_compiles: int) -> None:
     """Everything `run` needs, built with axgen on this host."""
-    from axgen.analysis.aot import candidate_rule, compile_target
+    from axgen.analysis.aot import candidate_rule
     from axgen.build import build
     from axgen.data.corpus import module_sources
     from axgen.data.datasets import write_dataset
@@ -141,7 +141,7 @@ def prepare(out: Path, target: str, seq_len: int, batch: int, tiny: bool, plan_c
                 rule=rule,
             )
         )
-        rows += _program_rows(out, spec, name, target, build, compile_target)
+        rows += _program_rows(out, spec, name, target)
     dense = out / "specs" / "dense.py"
     found = [o for o in search(dense, target, max_compiles=plan_compiles, log=print) if o.fits][:PLAN_TOP]
     for rank, outcome in enumerate(found, 1):
@@ -185,10 +185,11 @@ def _install_missing_wheels(directory: Path) -> None:
         subprocess.run([*command, str(directory / "wheels"), WHEELS[0]], check=True)
 
 
-def _program_rows(out, spec, name, target, build, compile_target) -> list[dict]:
-    from axgen.analysis.aot import candidate_rule
+def _program_rows(out, spec, name, target) -> list[dict]:
+    from axgen.analysis.aot import candidate_rule, compile_target
     from axgen.analysis.plan import own_candidate
     from axgen.backends import plan_for
+    from axgen.build import build
     from axgen.loader import load_spec
 
     source = build(spec, target).source
