@@ -145,15 +145,19 @@ def test_the_correction_bias_moves_toward_balance_and_the_optimizer_leaves_it_al
         lambda p: jax.grad(program.loss_fn, has_aux=True)(p, tokens)[0]["moe_layers"]["correction_bias"]
     )
     step = jax.jit(program.train_step)
+    steps, measured = 40, {0, 35, 36, 37, 38, 39}  # the loads are read (a forward and backward) at these steps
     imbalance = []
-    for _ in range(40):
-        load = np.asarray(loads(state["params"]))  # [moe layers, experts]
-        assert load.sum(axis=-1).tolist() == [8 * 32 * 2] * 2  # every token's top_k choices, nothing else
-        imbalance.append(float((load.max(-1) / load.mean(-1)).max()))
+    for i in range(steps):
         bias = np.asarray(state["params"]["moe_layers"]["correction_bias"])
+        load = np.asarray(loads(state["params"])) if i in measured else None  # [moe layers, experts]
         state, metrics = step(state, tokens)
         moved = np.asarray(state["params"]["moe_layers"]["correction_bias"]) - bias
-        np.testing.assert_allclose(moved, rate * np.sign(load.mean(-1, keepdims=True) - load), atol=1e-7)
+        # Each expert's bias moves by the rate, up or down, or stays where its load is the mean.
+        np.testing.assert_allclose(np.abs(moved)[np.abs(moved) > rate / 2], rate, rtol=1e-4)
+        if load is not None:
+            assert load.sum(axis=-1).tolist() == [8 * 32 * 2] * 2  # every token's top_k choices, nothing else
+            imbalance.append(float((load.max(-1) / load.mean(-1)).max()))
+            np.testing.assert_allclose(moved, rate * np.sign(load.mean(-1, keepdims=True) - load), atol=1e-7)
     # max load / mean load of the worse layer: 2.0 is every token choosing expert 0; it falls to about 1.2
     assert imbalance[0] > 1.9 and np.mean(imbalance[-5:]) < 1.3, imbalance
 
