@@ -145,7 +145,8 @@ def test_the_correction_bias_moves_toward_balance_and_the_optimizer_leaves_it_al
         lambda p: jax.grad(program.loss_fn, has_aux=True)(p, tokens)[0]["moe_layers"]["correction_bias"]
     )
     step = jax.jit(program.train_step)
-    steps, measured = 40, {0, 35, 36, 37, 38, 39}  # the loads are read (a forward and backward) at these steps
+    # The loads are read (a forward and backward pass) at the first step and the last five.
+    steps, measured = 40, {0, 35, 36, 37, 38, 39}
     imbalance = []
     for i in range(steps):
         bias = np.asarray(state["params"]["moe_layers"]["correction_bias"])

@@ -112,24 +112,28 @@ def test_a_policy_is_not_compiled_where_one_keeping_no_more_already_did_not_fit(
     assert compiled == [("offload_dots", m) for m in (16, 8, 4, 2)] + full
 
 
-def test_a_staged_pass_that_fits_is_also_tried_going_round_the_stages_twice():
+def test_a_staged_pass_that_fits_is_also_tried_going_round_the_stages_more_times_until_one_does_not_fit():
     """Llama 3.1 405B's 126 layers on 896 H100s: over 7 stages, the largest pass that fits (32 sequences a device,
-    32 microbatches) is compiled again circular, 2 rounds of 7 x 2 runs of 9 layers. Not over 14 stages (126 layers
-    are not 28 equal runs), nor without stages; and not for a pass of fewer microbatches than stages, whose rounds
-    would leave as many slots empty as the bubble they save."""
+    32 microbatches) is compiled again circular, going round the stages 2 times (7 x 2 runs of 9 layers), then 3
+    (of 6 layers), then 6, where it no longer fits (here: more than 3 rounds do not), and no more are tried. Over 14
+    stages 2 rounds do not cut 126 layers into equal runs, so 3 come first; nothing goes round without stages, nor
+    in a pass of fewer microbatches than stages, whose rounds would leave as many slots empty as the bubble they
+    save."""
     spec = load_spec(ROOT / "axgen/specs/llama3_405b.py")
     plan = plan_for(spec, "gpu-h100-896")
     compiled = []
 
     def compile_candidate(candidate):
         compiled.append((candidate.microbatch, candidate.pipeline_repeats))
-        report = types.SimpleNamespace(fits=candidate.microbatch <= fits_at)
+        report = types.SimpleNamespace(
+            fits=candidate.microbatch <= fits_at and candidate.pipeline_repeats <= 3
+        )
         return types.SimpleNamespace(fits=report.fits, report=report)
 
     state = types.SimpleNamespace(out_of_memory={}, compile=compile_candidate, outcomes=[], log=print)
     runs = {
-        (7, 32): [(128, 1), (64, 1), (32, 1), (32, 2)],
-        (14, 32): [(256, 1), (128, 1), (64, 1), (32, 1)],
+        (7, 32): [(128, 1), (64, 1), (32, 1), (32, 2), (32, 3), (32, 6)],
+        (14, 32): [(256, 1), (128, 1), (64, 1), (32, 1), (32, 3), (32, 9)],
         (7, 4): [(128, 1), (64, 1), (32, 1), (16, 1), (8, 1), (4, 1)],
         (1, 2): [(16, 1), (8, 1), (4, 1), (2, 1)],  # on 1024 devices: fsdp=128
     }

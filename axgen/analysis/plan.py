@@ -77,9 +77,6 @@ CONTEXT_SPLITS = (1, 2, 4, 8, 16)
 # weights its devices gather, at the cost of idle time (the bubble). Tried only for a model whose params and AdamW
 # moments do not fit one host's devices: one that fits is sharded over a host's fast links instead.
 MAX_STAGES = 16
-# A staged pass that fits is also tried going round its stages this many times (the circular schedule): about that
-# many times less bubble, for more memory.
-CIRCULAR_ROUNDS = 2
 SPLASH_BLOCKS = (256, 512, 1024)
 BLOCKS_TRIED_ON = 3  # the best candidates whose splash block length is varied
 # The target's own rule's modifiers that the search does not vary: every candidate keeps the rule's.
@@ -271,7 +268,8 @@ def _frontier(state: Search, spec: Model, plan: Plan, mesh: tuple, policy: str, 
     """The largest microbatch that fits on this mesh under this policy, largest first, skipping sizes that cannot
     fit without compiling them: those at or above one where a policy keeping no more already did not, and those
     whose least possible peak, learnt from the compiles so far, exceeds what the device has. A staged pass that
-    fits is also compiled circular (`_goes_round`)."""
+    fits is also compiled circular, going round its stages 2 times, then more (`_rounds`), until one does not fit:
+    each more round cuts the bubble and the weights' gathers a pass, and keeps more in memory."""
     failed = state.out_of_memory.setdefault(mesh, [])
     # The spec author's choice of splitting the residual stream, on each mesh where it can be (`mesh` is one
     # slice's; the slices add to data).
@@ -291,20 +289,28 @@ def _frontier(state: Search, spec: Model, plan: Plan, mesh: tuple, policy: str, 
             mesh, microbatch, policy, block, shard_residual=residual, kept=kept_modifiers(plan)
         )
         outcome = state.compile(candidate)
-        if outcome is not None and outcome.fits and _goes_round(spec, mesh, microbatch):
-            state.compile(dataclasses.replace(candidate, pipeline_repeats=CIRCULAR_ROUNDS))
+        if outcome is not None and outcome.fits:
+            for rounds in _rounds(spec, mesh, microbatch):
+                circular = state.compile(dataclasses.replace(candidate, pipeline_repeats=rounds))
+                if circular is None or not circular.fits:
+                    break
         if outcome is None or outcome.fits:
             return
         if outcome.report is not None:  # out of memory, not a failure of another kind
             failed.append((policy, microbatch))
 
 
-def _goes_round(spec: Model, mesh: tuple, microbatch: int) -> bool:
-    """Whether a staged pass of `microbatch` sequences a device gains from the circular schedule: its layers cut
-    into stages x CIRCULAR_ROUNDS equal runs, and at least as many microbatches (of one sequence) as stages, without
-    which a round's slots stand empty as long as the bubble it saves."""
+def _rounds(spec: Model, mesh: tuple, microbatch: int) -> list[int]:
+    """The rounds a staged pass of `microbatch` sequences a device can go round its stages (the circular schedule),
+    fewest first: each count of 2 or more that cuts the layers into stages x rounds equal runs, where the pass has
+    at least as many microbatches (of one sequence) as stages, without which a round's slots stand empty as long as
+    the bubble it saves."""
     stages = dict(mesh)["stage"]
-    return stages > 1 and runs_refused(spec, stages, CIRCULAR_ROUNDS) is None and microbatch >= stages
+    if stages == 1 or microbatch < stages:
+        return []
+    return [
+        r for r in range(2, spec.decoder.num_layers // stages + 1) if runs_refused(spec, stages, r) is None
+    ]
 
 
 def _least_peak(outcomes: list[Outcome], mesh: tuple, policy: str, microbatch: int) -> int | None:
