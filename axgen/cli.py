@@ -11,6 +11,7 @@ import json
 import math
 import multiprocessing
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -26,6 +27,7 @@ from axgen.files import (
     check_output_dir,
     check_output_file,
     forget_signals,
+    staging_dir,
     stop_on_signal,
     write_atomically,
 )
@@ -196,7 +198,16 @@ def _parser() -> argparse.ArgumentParser:
     )
     a.add_argument("--timeout", type=_positive_float, help="seconds one compile may take")
     a.add_argument(
-        "--force", action="store_true", help="replace an existing --report that is not an aot report"
+        "--dump-to",
+        type=_path,
+        metavar="DIR",
+        help="also keep XLA's dumps of each program's train and eval steps (HLO before and after optimization, "
+        "buffer assignment, live ranges) in DIR/SPEC/TARGET/",
+    )
+    a.add_argument(
+        "--force",
+        action="store_true",
+        help="replace an existing --report that is not an aot report, or an existing --dump-to folder",
     )
     a.set_defaults(run=_aot, out=None, check=False)
 
@@ -511,15 +522,42 @@ def _explain(args) -> int:
 
 def _aot(args) -> int:
     """Exit 1 when a program does not fit its chip's memory (or, with --all, when a compile failed)."""
-    from axgen.analysis.aot import REPORT_TITLE, AotError, compile_target, markdown
+    from axgen.analysis.aot import REPORT_TITLE, AotError, markdown
     from axgen.analysis.extras import check_compiler
     from axgen.backends import plan_for
 
     if args.report:
         check_output_file(args.report, force=args.force, header=re.compile(re.escape(REPORT_TITLE)))
+    if args.dump_to:
+        check_output_dir(args.dump_to, force=args.force)
     jobs = _jobs(args)
     for job in jobs:  # before the first compile, not after an hour of them
         check_compiler(plan_for(job.spec, job.target), "aot")
+    # The dumps appear at --dump-to when the compiles end, those of a compile that failed included.
+    dumps = staging_dir(args.dump_to) if args.dump_to else None
+    try:
+        reports, failures = _compile_jobs(jobs, args, dumps)
+    except AotError:
+        _publish(dumps, args.dump_to)
+        raise
+    except BaseException:
+        if dumps is not None:
+            shutil.rmtree(dumps, ignore_errors=True)
+        raise
+    _publish(dumps, args.dump_to)
+    if args.report:
+        command = "axgen aot --all --report " + str(args.report) if args.all else " ".join(sys.argv)
+        write_atomically(args.report, markdown(reports, failures, command))
+        print(f"wrote {args.report}")
+    return 1 if failures or not all(r.fits for r in reports) else 0
+
+
+def _compile_jobs(jobs, args, dumps: Path | None) -> tuple[list, list[str]]:
+    """Each job's aot report, printed as it comes, and the failures (with --all; else the first raises); each
+    program's dumps in DUMPS/SPEC/TARGET where `dumps` is given."""
+    from axgen.analysis.aot import AotError, compile_target
+    from axgen.build import output_name
+
     reports, failures = [], []
     shown = progress.bar(jobs, desc="aot", unit="program")
     for job in shown:
@@ -527,8 +565,11 @@ def _aot(args) -> int:
         def phase(name: str, job=job) -> None:
             shown.set_postfix_str(f"{job.spec.name} for {job.target}: {name}")
 
+        dump_to = None if dumps is None else dumps / job.spec_file.stem / Path(output_name(job.target)).stem
         try:
-            report = compile_target(job.spec_file, job.target, timeout=args.timeout, phase=phase)
+            report = compile_target(
+                job.spec_file, job.target, timeout=args.timeout, phase=phase, dump_to=dump_to
+            )
         except AotError as err:
             if not args.all:
                 raise
@@ -537,11 +578,18 @@ def _aot(args) -> int:
             continue
         reports.append(report)
         print(json.dumps(dataclasses.asdict(report)) if args.json else report.text(), flush=True)
-    if args.report:
-        command = "axgen aot --all --report " + str(args.report) if args.all else " ".join(sys.argv)
-        write_atomically(args.report, markdown(reports, failures, command))
-        print(f"wrote {args.report}")
-    return 1 if failures or not all(r.fits for r in reports) else 0
+    return reports, failures
+
+
+def _publish(staging: Path | None, out: Path) -> None:
+    """Renames a filled staging folder to `out`, replacing what --force allowed to be there."""
+    if staging is None:
+        return
+    check_not_stopped()
+    if out.exists():
+        shutil.rmtree(out)
+    staging.rename(out)
+    print(f"XLA's dumps: {out}", file=sys.stderr)
 
 
 def _plan(args) -> int:

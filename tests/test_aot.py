@@ -36,9 +36,14 @@ def linear_flops_per_device(target, recomputed_roles=()):
     return per_token * built.spec.train.global_batch * built.spec.train.seq_len / built.plan.num_devices
 
 
-def test_tpu_program_compiles_for_a_v5e_slice_with_the_splash_kernel(capsys):
-    code, [report], _ = aot(capsys, TINY, "--target", "tpu-v5e-8")
+def test_tpu_program_compiles_for_a_v5e_slice_with_the_splash_kernel(capsys, tmp_path):
+    code, [report], err = aot(capsys, TINY, "--target", "tpu-v5e-8", "--dump-to", str(tmp_path / "dumps"))
     assert code == 0 and report["fits"]
+    # --dump-to: XLA's dumps of both steps, under the spec's and the target's names, and nothing else written.
+    dumps = tmp_path / "dumps/llama_tiny/tpu_v5e_8"
+    for step in ("train", "eval"):
+        assert list(dumps.glob(f"*jit_{step}_step*after_optimizations-buffer-assignment.txt")), step
+    assert [p.name for p in tmp_path.iterdir()] == ["dumps"] and f"XLA's dumps: {tmp_path / 'dumps'}" in err
     assert report["compiled_for"] == "8 x TPU v5e (libtpu topology v5e:2x4)"
     assert 0 < report["peak_bytes"] < report["hbm_bytes"] == 16 * 1024**3
     assert report["kernels"].get("tpu_custom_call", 0) >= 2, "splash attention forward and backward"
@@ -248,12 +253,17 @@ def test_a_peak_over_the_usable_share_does_not_fit_though_under_the_hbm():
     )
 
 
-@pytest.mark.parametrize("args", [["--target", "gpu-a100-8"], []])
-def test_bad_aot_requests_are_one_line(capsys, args):
+@pytest.mark.parametrize("args", [["--target", "gpu-a100-8"], [], ["--dump-to", "{here}"]])
+def test_bad_aot_requests_are_one_line(capsys, args, tmp_path):
+    (tmp_path / "notes.txt").write_text("somebody's\n")
+    args = [arg.format(here=tmp_path) for arg in args]
     spec = [] if not args else [TINY]
     assert axgen(["aot", *spec, *args]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("axgen: error: ") and len(err.splitlines()) == 1
+    if "--dump-to" in args:  # an existing folder is replaced only with --force, and nothing was compiled
+        assert err == f"axgen: error: {tmp_path}: already exists (pass --force to replace it)"
+        assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 
 
 # Slices as MaxText's accelerator_to_spec_map gives them to libtpu (its names count v5p TensorCores: its v5p-128

@@ -283,7 +283,7 @@ def test_aot_report_never_replaces_another_file_but_replaces_an_aot_report(tmp_p
     assert spec.read_text() == TINY
 
     fitting = aot.Report("llama-tiny", "cpu-1", "cpu", {"data": 1}, 1, 1, 0.0, 2**30, 2**30, True, 2**20)
-    monkeypatch.setattr(aot, "compile_target", lambda spec_file, target, timeout, phase: fitting)
+    monkeypatch.setattr(aot, "compile_target", lambda spec_file, target, timeout, phase, dump_to: fitting)
     report = tmp_path / "aot.md"
     report.write_text(aot.REPORT_TITLE + "\n\nan older report\n")
     assert run(capsys, "aot", TINY_SPEC, "--target", "cpu-1", "--json", "--report", report) == (0, "")

@@ -167,10 +167,12 @@ def compile_target(
     timeout: float | None = None,
     rule: dict | None = None,
     phase: Callable[[str], None] = lambda name: None,
+    dump_to: Path | None = None,
 ) -> Report:
     """Builds the program, then compiles its train_step in a fresh process set up for the target. A `rule`
     (`candidate_rule`'s fields) goes before the spec's own mesh rules. `phase` hears which step is under way
-    (a progress bar's caption)."""
+    (a progress bar's caption). With `dump_to`, XLA writes its dumps of the train and eval steps there
+    (`dump_flags`)."""
     phase("building")
     built = build(spec_path, target, candidate_rule(target, rule) if rule else None)
     phase("compiling")
@@ -188,7 +190,11 @@ def compile_target(
         ]
         try:
             result = subprocess.run(
-                command, env=_environment(built.plan), capture_output=True, text=True, timeout=timeout
+                command,
+                env=_environment(built.plan, dump_to),
+                capture_output=True,
+                text=True,
+                timeout=timeout,
             )
         except subprocess.TimeoutExpired:
             raise AotError(f"{target}: the compile took longer than {timeout:.0f}s") from None
@@ -213,10 +219,22 @@ def candidate_rule(target: str, fields: dict) -> MeshRule:
     return MeshRule(target, fields["mesh"], why=fields.get("why", "a candidate of axgen plan"), **modifiers)
 
 
-def _environment(plan: Plan) -> dict[str, str]:
+def dump_flags(directory: Path) -> list[str]:
+    """XLA's dumps of the train and eval steps into `directory`, as text: each step's HLO before and after
+    optimization, its buffer assignment, live ranges and memory-usage report (`bench/maxtext/buffers.py` reads
+    them)."""
+    return [
+        f"--xla_dump_to={directory}",
+        "--xla_dump_hlo_as_text",
+        "--xla_dump_hlo_module_re=jit_(train|eval)_step",
+    ]
+
+
+def _environment(plan: Plan, dump_to: Path | None = None) -> dict[str, str]:
     """The compile process's environment: jax on CPU (the plugins then describe chips without probing for them,
-    and compiles may share libtpu), the program's own flags, and as many fake CPU devices as the mesh needs where
-    there is no topology."""
+    and compiles may share libtpu), the program's own flags, as many fake CPU devices as the mesh needs where
+    there is no topology, and the dump flags where dumps are asked for. The caller's XLA_FLAGS are not passed on:
+    the compile is the program's, with its own flags."""
     env = {
         k: v for k, v in os.environ.items() if k not in ("AXGEN_XLA_KERNELS", "XLA_FLAGS", "LIBTPU_INIT_ARGS")
     }
@@ -224,6 +242,8 @@ def _environment(plan: Plan) -> dict[str, str]:
     flags = {plan.flags_variable: list(plan.xla_flags)}
     if plan.topology is None:
         flags.setdefault("XLA_FLAGS", []).append(f"--xla_force_host_platform_device_count={plan.num_devices}")
+    if dump_to is not None:
+        flags.setdefault("XLA_FLAGS", []).extend(dump_flags(dump_to))
     env.update({name: " ".join(values) for name, values in flags.items()})
     return env
 

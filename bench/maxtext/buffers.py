@@ -2,7 +2,7 @@
 miss 0.9x"): the bytes of each kind of allocation by memory space, then the largest temporaries in HBM by shape.
 
 Usage: bench/maxtext/buffers.py AXGEN_DUMP MAXTEXT_DUMP [ROWS]
-  AXGEN_DUMP    a folder bench/maxtext/dump_axgen.py wrote
+  AXGEN_DUMP    a program's folder of `axgen aot SPEC --target TARGET --dump-to DIR`: DIR/SPEC/TARGET
   MAXTEXT_DUMP  a folder XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_dump_to=DIR
                 --xla_dump_hlo_module_re=.*train_step.* --xla_dump_hlo_as_text" bench/maxtext/run_maxtext.sh ... wrote
   ROWS          how many shapes to list [16]
