@@ -172,7 +172,7 @@ def compile_target(
     """Builds the program, then compiles its train_step in a fresh process set up for the target. A `rule`
     (`candidate_rule`'s fields) goes before the spec's own mesh rules. `phase` hears which step is under way
     (a progress bar's caption). With `dump_to`, XLA writes its dumps of the train and eval steps there
-    (`dump_flags`)."""
+    (`_dump_flags`)."""
     phase("building")
     built = build(spec_path, target, candidate_rule(target, rule) if rule else None)
     phase("compiling")
@@ -219,7 +219,7 @@ def candidate_rule(target: str, fields: dict) -> MeshRule:
     return MeshRule(target, fields["mesh"], why=fields.get("why", "a candidate of axgen plan"), **modifiers)
 
 
-def dump_flags(directory: Path) -> list[str]:
+def _dump_flags(directory: Path) -> list[str]:
     """XLA's dumps of the train and eval steps into `directory`, as text: each step's HLO before and after
     optimization, its buffer assignment, live ranges and memory-usage report (`bench/maxtext/buffers.py` reads
     them)."""
@@ -243,7 +243,7 @@ def _environment(plan: Plan, dump_to: Path | None = None) -> dict[str, str]:
     if plan.topology is None:
         flags.setdefault("XLA_FLAGS", []).append(f"--xla_force_host_platform_device_count={plan.num_devices}")
     if dump_to is not None:
-        flags.setdefault("XLA_FLAGS", []).extend(dump_flags(dump_to))
+        flags.setdefault("XLA_FLAGS", []).extend(_dump_flags(dump_to))
     env.update({name: " ".join(values) for name, values in flags.items()})
     return env
 
