@@ -129,11 +129,7 @@ FAMILY = Family(
     # to a dense dot over every expert a device holds, rows masked. Measured on an H200 (jax 0.11.2, 8192 rows,
     # 4096 -> 14336, bench/quantized_experts.py): with 8 experts, fp8 by ragged_dot 9.41 ms forward against the
     # kernel's 1.80 in bf16; with one, 1.51 against 2.45.
-    # Compiled both ways (docs/aot.md), every stack cast before the layers gave the MoE rows the same peaks within
-    # 0.9 GiB and eval peaks 1.6 to 4.6 GiB higher (a bf16 copy of the model held through the eval step).
-    grouped_matmul=GroupedMatmul(
-        "mosaic_gpu", grouped_matmul_tiles, ragged_dot_dense=True, stack_cast="per_layer"
-    ),
+    grouped_matmul=GroupedMatmul("mosaic_gpu", grouped_matmul_tiles, ragged_dot_dense=True),
     # XLA lowers jax.lax.ragged_all_to_all here: each token copy travels to its expert's device alone, with no
     # padding to a per-destination capacity.
     moe_all_to_all="ragged_all_to_all",

@@ -154,11 +154,13 @@ def family(generation: str) -> Family:
         # megablox.gmm takes no int8 or fp8 operands (runtime/kernels.py); XLA's TPU ragged_dot is a grouped matmul
         # kernel of its own that takes int8 with int32 accumulation (compiled deviceless for tpu-v5p-8; v5p and v5e
         # have no fp8 units, so it converts fp8 operands to bf16 first).
+        grouped_matmul=GroupedMatmul("megablox_gmm", grouped_matmul_tiles),
         # Compiled both ways (docs/aot.md), every stack cast before the layers took 1.7 to 10.9 GiB a chip off the MoE
-        # rows' per-layer peaks (Qwen3-235B-A22B on v5p-256: 67.22 -> 56.28) at the same eval peaks. Mixtral's
-        # buffer assignment shows one cause (docs/maxtext.md): per layer, the backward scan converts each layer's
-        # expert gradients to float32 inside the loop and stacks them there.
-        grouped_matmul=GroupedMatmul("megablox_gmm", grouped_matmul_tiles, stack_cast="before_layers"),
+        # rows' per-layer peaks (Qwen3-235B-A22B on v5p-256: 67.22 -> 56.28) and up to 7.59 off the dense rows'
+        # (Gemma 3 27B on v5p-128: 34.55 -> 26.96; Llama 3 70B on v5p-512: 48.41 -> 45.05), none rising by more than
+        # 0.03, at the same eval peaks. Mixtral's buffer assignment shows one cause (docs/maxtext.md): per layer,
+        # the backward scan converts each layer's gradients to float32 inside the loop and stacks them there.
+        stack_cast="before_layers",
         # XLA lowers jax.lax.ragged_all_to_all here: each token copy travels to its expert's device alone, with no
         # padding to a per-destination capacity.
         moe_all_to_all="ragged_all_to_all",

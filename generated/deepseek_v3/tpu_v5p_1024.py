@@ -201,7 +201,7 @@ ROPE_SCALING = {
 REMAT_POLICY = jax.checkpoint_policies.nothing_saveable
 
 
-# cast to COMPUTE_DTYPE · backends/tpu.py: grouped_matmul · before_layers: each stack is cast whole before the layers: a copy of it is held while they run, and the backward scan keeps the stack's gradients in the compute dtype until it ends
+# cast to COMPUTE_DTYPE · backends/tpu.py: stack_cast · before_layers: each stack is cast whole before the layers: a copy of it is held while they run, and the backward scan keeps the stack's gradients in the compute dtype until it ends
 STACKED = []  # the blocks whose layers cast their own params
 
 

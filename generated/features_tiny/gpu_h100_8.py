@@ -186,7 +186,7 @@ def rms_norm(x, scale, eps):
 REMAT_POLICY = jax.checkpoint_policies.save_only_these_names("qkv_proj", "out_proj", "mlp_in", "mlp_out")
 
 
-# cast to COMPUTE_DTYPE · backends/gpu.py: grouped_matmul · per_layer: each layer casts its own params inside the scan, where it runs: no second copy of the stack is held
+# cast to COMPUTE_DTYPE · backends/common.py: STACK_CAST · per_layer: each layer casts its own params inside the scan, where it runs: no second copy of the stack is held
 STACKED = ["layers", "moe_layers"]  # the blocks whose layers cast their own params
 
 

@@ -192,7 +192,7 @@ def rms_norm(x, scale, eps):
 REMAT_POLICY = jax.checkpoint_policies.save_only_these_names("qkv_proj", "out_proj", "mlp_in", "mlp_out")
 
 
-# cast to COMPUTE_DTYPE · backends/tpu.py: grouped_matmul · before_layers: each stack is cast whole before the layers: a copy of it is held while they run, and the backward scan keeps the stack's gradients in the compute dtype until it ends
+# cast to COMPUTE_DTYPE · backends/tpu.py: stack_cast · before_layers: each stack is cast whole before the layers: a copy of it is held while they run, and the backward scan keeps the stack's gradients in the compute dtype until it ends
 STACKED = []  # the blocks whose layers cast their own params
 
 

@@ -185,14 +185,13 @@ ROPE_SCALING = {"rule": "linear", "factor": 8.0}
 REMAT_POLICY = jax.checkpoint_policies.nothing_saveable
 
 
-# cast to COMPUTE_DTYPE · backends/common.py: STACK_CAST · per_layer: each layer casts its own params inside the scan, where it runs: no second copy of the stack is held
-STACKED = ["layers", "tail_layers", "global_layers"]  # the blocks whose layers cast their own params
+# cast to COMPUTE_DTYPE · backends/tpu.py: stack_cast · before_layers: each stack is cast whole before the layers: a copy of it is held while they run, and the backward scan keeps the stack's gradients in the compute dtype until it ends
+STACKED = []  # the blocks whose layers cast their own params
 
 
 @functools.partial(jax.checkpoint, policy=REMAT_POLICY, prevent_cse=False)  # called only under scan
 def decoder_layer(x, p, positions, segment_ids):
     """One of the 52 layers: x [batch, seq, embed] -> same. `p` holds this layer's params; `positions` and `segment_ids` [batch, seq] say where each token is in which document."""
-    p = jax.tree.map(lambda w: w.astype(COMPUTE_DTYPE), p)
     # norm · specs/gemma3_27b.py: decoder.norm · changed by passes/gemma_block.py
     attn_norm = rms_norm(x, 1.0 + p["attn_norm"], eps=1e-06)  # [batch, seq, embed=5376]
     # attention · specs/gemma3_27b.py: decoder.attention
@@ -264,7 +263,6 @@ def decoder_layer(x, p, positions, segment_ids):
 @functools.partial(jax.checkpoint, policy=REMAT_POLICY, prevent_cse=False)  # called only under scan
 def global_decoder_layer(x, p, positions, segment_ids):
     """One of the 10 global_layers: x [batch, seq, embed] -> same. `p` holds this layer's params; `positions` and `segment_ids` [batch, seq] say where each token is in which document."""
-    p = jax.tree.map(lambda w: w.astype(COMPUTE_DTYPE), p)
     # norm · specs/gemma3_27b.py: decoder.norm · changed by passes/gemma_block.py
     attn_norm = rms_norm(x, 1.0 + p["attn_norm"], eps=1e-06)  # [batch, seq, embed=5376]
     # attention · specs/gemma3_27b.py: decoder.attention

@@ -201,7 +201,7 @@ ROPE_SCALING = {
 REMAT_POLICY = jax.checkpoint_policies.nothing_saveable
 
 
-# cast to COMPUTE_DTYPE · backends/gpu.py: grouped_matmul · per_layer: each layer casts its own params inside the scan, where it runs: no second copy of the stack is held
+# cast to COMPUTE_DTYPE · backends/common.py: STACK_CAST · per_layer: each layer casts its own params inside the scan, where it runs: no second copy of the stack is held
 STACKED = ["layers", "global_layers"]  # the blocks whose layers cast their own params
 
 

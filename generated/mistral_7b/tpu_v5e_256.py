@@ -160,14 +160,13 @@ REMAT_POLICY = jax.checkpoint_policies.save_and_offload_only_these_names(
 )
 
 
-# cast to COMPUTE_DTYPE · backends/common.py: STACK_CAST · per_layer: each layer casts its own params inside the scan, where it runs: no second copy of the stack is held
-STACKED = ["layers"]  # the blocks whose layers cast their own params
+# cast to COMPUTE_DTYPE · backends/tpu.py: stack_cast · before_layers: each stack is cast whole before the layers: a copy of it is held while they run, and the backward scan keeps the stack's gradients in the compute dtype until it ends
+STACKED = []  # the blocks whose layers cast their own params
 
 
 @functools.partial(jax.checkpoint, policy=REMAT_POLICY, prevent_cse=False)  # called only under scan
 def decoder_layer(x, p, positions, segment_ids):
     """One of the 32 layers: x [batch, seq, embed] -> same. `p` holds this layer's params; `positions` and `segment_ids` [batch, seq] say where each token is in which document."""
-    p = jax.tree.map(lambda w: w.astype(COMPUTE_DTYPE), p)
     # norm · specs/llama3_8b.py: decoder.norm
     attn_norm = rms_norm(x, p["attn_norm"], eps=1e-05)  # [batch, seq, embed=4096]
     # attention · specs/llama3_8b.py: decoder.attention
