@@ -159,7 +159,8 @@ def family(generation: str) -> Family:
         # rows' per-layer peaks (Qwen3-235B-A22B on v5p-256: 67.22 -> 56.28) and up to 7.59 off the dense rows'
         # (Gemma 3 27B on v5p-128: 34.55 -> 26.96; Llama 3 70B on v5p-512: 48.41 -> 45.05), none rising by more than
         # 0.03, at the same eval peaks. Mixtral's buffer assignment shows one cause (docs/maxtext.md): per layer,
-        # the backward scan converts each layer's gradients to float32 inside the loop and stacks them there.
+        # the backward scan converts each layer's expert gradients to float32 inside the loop and stacks them
+        # there; the dense rows' gain was not traced.
         stack_cast="before_layers",
         # XLA lowers jax.lax.ragged_all_to_all here: each token copy travels to its expert's device alone, with no
         # padding to a per-destination capacity.
