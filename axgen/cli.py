@@ -27,6 +27,7 @@ from axgen.files import (
     check_output_dir,
     check_output_file,
     forget_signals,
+    publish_dir,
     staging_dir,
     stop_on_signal,
     write_atomically,
@@ -582,14 +583,10 @@ def _compile_jobs(jobs, args, dumps: Path | None) -> tuple[list, list[str]]:
 
 
 def _publish(staging: Path | None, out: Path) -> None:
-    """Renames a filled staging folder to `out`, replacing what --force allowed to be there."""
-    if staging is None:
-        return
-    check_not_stopped()
-    if out.exists():
-        shutil.rmtree(out)
-    staging.rename(out)
-    print(f"XLA's dumps: {out}", file=sys.stderr)
+    """The dumps' staging folder renamed to --dump-to, where dumps were asked for."""
+    if staging is not None:
+        publish_dir(staging, out)
+        print(f"XLA's dumps: {out}", file=sys.stderr)
 
 
 def _plan(args) -> int:

@@ -140,6 +140,15 @@ def staging_dir(path: Path) -> Path:
     return tmp
 
 
+def publish_dir(staging: Path, out: Path) -> None:
+    """Renames a filled `staging_dir` to `out` unless a signal asked the command to stop, replacing a folder at
+    `out` (which the command's checks let it replace)."""
+    check_not_stopped()
+    if out.exists():
+        shutil.rmtree(out)
+    staging.rename(out)
+
+
 def _temporary_sibling(path: Path) -> Path:
     # The checks before the work cannot tell every folder that will not be made (root may write anywhere, but
     # not under /proc): this one line is the answer there.

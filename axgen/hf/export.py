@@ -24,7 +24,7 @@ import numpy as np
 from axgen import progress
 from axgen.data.chat import load_chat_template
 from axgen.data.tokenizer import load_tokenizer
-from axgen.files import check_not_stopped, check_replaceable, staging_dir
+from axgen.files import check_replaceable, publish_dir, staging_dir
 from axgen.hf.config import HFImportError, SpecSource, cut, read_config
 from axgen.hf.families import FAMILIES, family
 from axgen.hf.import_config import import_config
@@ -271,10 +271,7 @@ def export_hf(
             shutil.copy2(source, staging / name)
         if chat_template is not None:
             (staging / "chat_template.jinja").write_text(template)
-        check_not_stopped()
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
+        publish_dir(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
@@ -363,10 +360,7 @@ def export_adapter(
         save_file(tensors, str(staging / WEIGHTS), metadata={"format": "pt"})
         config = adapter_config(spec, base_name)
         (staging / CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-        check_not_stopped()
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
+        publish_dir(staging, out)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
