@@ -187,7 +187,8 @@ def test_replicas_sum_their_own_passes_and_the_step_equals_one_pass_over_the_bat
 def test_the_fused_head_and_cross_entropy_equals_optax_on_the_logits_on_a_vocab_sharded_mesh(tied, soft_cap):
     """Value, and gradient w.r.t. the hidden states and the head's weight, under a loss mask, against optax on the
     whole float32 logits; 37 positions in chunks of 8 (the last padded), on one device and on a CPU mesh that
-    shards the vocabulary over `model` and the batch over `data`."""
+    shards the vocabulary over `model` and the batch over `data`. The backward pass takes each device's 1012 or
+    253 columns in 5 runs of 203 or 51, so its last run overlaps the one before."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -200,8 +201,8 @@ def test_the_fused_head_and_cross_entropy_equals_optax_on_the_logits_on_a_vocab_
     rules = {"batch": ("data",), "seq": (), "embed": (), "vocab": ("model",)}
     keys = jax.random.split(jax.random.key(1), 4)
     hidden = jax.random.normal(keys[0], (4, 37, 64))
-    w = jax.random.normal(keys[1], (1000, 64) if tied else (64, 1000)) * 0.5
-    labels = jax.random.randint(keys[2], (4, 37), 0, 1000)
+    w = jax.random.normal(keys[1], (1012, 64) if tied else (64, 1012)) * 0.5
+    labels = jax.random.randint(keys[2], (4, 37), 0, 1012)
     mask = jax.random.bernoulli(keys[3], 0.7, (4, 37))  # targets a loss mask leaves out get no gradient
 
     def optax_form(hidden, w):
@@ -241,8 +242,8 @@ def test_the_fused_head_and_cross_entropy_equals_optax_on_the_logits_on_a_vocab_
 
 def test_the_fused_head_and_cross_entropy_never_holds_the_whole_logits():
     """A language-model head's step with bf16 hidden states and weight: the bf16 logits [8, 1024, 32768] are 512
-    MiB and the logits form's temporaries exceed them; in chunks of 64 positions the step holds the float32 sum of
-    the weight's gradient (32 MiB) and a few chunks' logits (8 MiB each in float32), under 192 MiB."""
+    MiB and the logits form's temporaries exceed them; in chunks of 64 positions, and in the backward pass runs of
+    2048 columns, the step holds a chunk's or a run's float32 logits (64 MiB) at a time, under 192 MiB."""
     import jax
     import jax.numpy as jnp
 
@@ -268,7 +269,8 @@ def test_the_fused_head_moves_the_weight_and_its_gradient_once_a_pass_not_once_a
     """On 8 devices that split the rows and the head's embed dimension (FSDP), a step of the fused head in chunks
     of 8 positions moves what one chunk of all 64 does: the weight gathered once each way and its gradient reduced
     once (hlo_cost counts a loop body's collectives as often as it runs). Per chunk it would be 8 times that.
-    """
+    And it holds no device's float32 partial of the whole weight's gradient beside the gathered weight (the weight
+    size again): each run of vocabulary columns is reduced into the weight's shards as it completes."""
     import jax
     import jax.numpy as jnp
 
@@ -285,11 +287,13 @@ def test_the_fused_head_moves_the_weight_and_its_gradient_once_a_pass_not_once_a
         loss = lambda x, w, y: lm_head_cross_entropy(x, w, y, chunk=chunk, rules=rules).mean()
         with jax.set_mesh(mesh):
             compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(x, w, labels).compile()
-        return sum(hlo_cost(compiled.as_text()).collective_bytes.values())
+        collectives = sum(hlo_cost(compiled.as_text()).collective_bytes.values())
+        return collectives, compiled.memory_analysis().temp_size_in_bytes
 
     weight = 128 * 4096 * 4
-    in_chunks, whole = moved(8), moved(64)
+    (in_chunks, temporaries), (whole, _) = moved(8), moved(64)
     assert in_chunks == whole and whole < 4 * weight, (in_chunks, whole, weight)
+    assert weight < temporaries < 1.5 * weight, (temporaries, weight)
 
 
 def test_a_program_trains_on_the_cross_entropy_of_its_own_logits(tmp_path):

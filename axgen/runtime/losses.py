@@ -66,11 +66,13 @@ def lm_head_cross_entropy(hidden, w, labels, *, chunk, rules, tied=False, soft_c
     shards. The logits multiply in hidden's dtype and accumulate in float32.
 
     What crosses the mesh is what one pass over the whole logits would move: the weight is gathered whole along
-    `embed` once before each pass over the chunks (not once a chunk), and each device sums its own rows' part of
-    the weight's gradient over the chunks, which are reduced across the batch's devices once, after the last chunk,
-    into the weight's sharding. A reduction per chunk would move the float32 gradient `chunks` times a step (for
-    Llama 3 8B on tpu-v5p-128, 188 of 286 GiB a chip a step; docs/maxtext.md). The price is the device's partial
-    gradient, [embed, vocab / vocab's shards] in float32, beside the gathered weight.
+    `embed` once before each pass (not once a chunk), and its gradient is reduced across the batch's devices once
+    in all. For that the backward pass goes through the vocabulary rather than the positions: each device's
+    columns in `chunks` runs, all its positions at a time (a run's logits as large as a chunk's), so each run's
+    columns of the weight's gradient are whole when the run ends and go into the weight's shards then. Summing a
+    chunk of positions at a time would reduce the float32 gradient `chunks` times a step (for Llama 3 8B on
+    tpu-v5p-128, 188 of 286 GiB a chip a step; docs/maxtext.md), or hold a device's float32 partial of the whole
+    gradient until the last chunk (2 GiB a chip at Llama 3's vocabulary).
 
     Where `rules` split the sequence over context shards (runtime/context.py), each shard's positions are rows of
     their own, so no chunk spans devices."""
@@ -100,11 +102,11 @@ def _lm_head_cross_entropy(hidden, w, labels, *, chunk, rules, tied, soft_cap):
     pad = chunks * chunk - seq
     w_axes = ("vocab", "embed") if tied else ("embed", "vocab")
     whole_embed = tuple(None if axis == "embed" else axis for axis in w_axes)  # what each chunk's logits take
-    logits_einsum = "bce,ve->bcv" if tied else "bce,ev->bcv"
-    # The devices the rows split over: each sums its own rows' gradient of the weight, [row_shards, *w.shape].
+    logits_equation = "bce,ve->bcv" if tied else "bce,ev->bcv"
+    vocab = w.shape[0 if tied else 1]
     mesh = jax.sharding.get_abstract_mesh()
-    row_shards = (
-        1 if mesh.empty else shards(logical_to_mesh(rules, ("batch",), (batch,), mesh.shape)[0], mesh.shape)
+    vocab_shards = (
+        1 if mesh.empty else shards(logical_to_mesh(rules, ("vocab",), (vocab,), mesh.shape)[0], mesh.shape)
     )
 
     def to_chunks(x):  # [batch, seq, ...] -> [chunks, batch, chunk, ...], padded at the end of seq
@@ -114,9 +116,8 @@ def _lm_head_cross_entropy(hidden, w, labels, *, chunk, rules, tied, soft_cap):
     def from_chunks(x):  # the inverse, padding dropped
         return jnp.moveaxis(x, 0, 1).reshape(batch, chunks * chunk, *x.shape[3:])[:, :seq]
 
-    def capped_logits(h, w):
-        logits = jnp.einsum(logits_einsum, h, w, preferred_element_type=jnp.float32)
-        logits = constrain(logits, ("batch", "seq", "vocab"), rules)
+    def capped_logits(equation, h, w, axes):
+        logits = constrain(jnp.einsum(equation, h, w, preferred_element_type=jnp.float32), axes, rules)
         return logits if soft_cap is None else soft_cap * jnp.tanh(logits / soft_cap)
 
     def forward(hidden, w, labels):
@@ -124,41 +125,71 @@ def _lm_head_cross_entropy(hidden, w, labels, *, chunk, rules, tied, soft_cap):
 
         def one_chunk(_, xs):
             h, y = xs
-            return None, _losses(capped_logits(h, w), y)
+            return None, _losses(capped_logits(logits_equation, h, w, ("batch", "seq", "vocab")), y)
 
         _, (losses, log_norm) = jax.lax.scan(one_chunk, None, (to_chunks(hidden), to_chunks(labels)))
         return from_chunks(losses), (hidden, w, labels, log_norm)
 
     def backward(residuals, grad):
         hidden, w, labels, log_norm = residuals
-        w_whole = constrain(w, whole_embed, rules)
+        log_norm = from_chunks(log_norm)
+        # Each device's vocabulary shard goes through in `slices` runs of `width` columns, so a run's float32
+        # logits for all of the device's positions are about one chunk's: [batch, seq, shards, width].
+        per_shard = vocab // vocab_shards
+        width = -(-per_shard // chunks)
+        slices = -(-per_shard // width)
+        slice_axis = 1 if tied else 2
+        w_runs = constrain(w, whole_embed, rules).reshape(
+            (vocab_shards, per_shard, -1) if tied else (w.shape[0], vocab_shards, per_shard)
+        )
+        run_axes = ("vocab", None, "embed") if tied else ("embed", "vocab", None)
 
-        def by_row_shard(x):  # [batch, ...] -> [row_shards, batch / row_shards, ...]
-            return x.reshape(row_shards, -1, *x.shape[1:])
-
-        def one_chunk(grad_w, xs):
-            h, y, norm, g = xs
-            logits = capped_logits(h, w_whole)
-            d_logits = _d_logits(logits, y, norm, g)
+        def one_run(carry, index):
+            grad_w, d_hidden = carry
+            # The last run ends at the shard's end and overlaps the one before it; the columns that one took
+            # get no gradient here.
+            start = jnp.minimum(index * width, per_shard - width)
+            columns = start + jnp.arange(width)
+            w_run = jax.lax.dynamic_slice_in_dim(w_runs, start, width, axis=slice_axis)
+            logits = capped_logits(
+                "bqe,sve->bqsv" if tied else "bqe,esv->bqsv", hidden, w_run, ("batch", "seq", "vocab", None)
+            )
+            ids = jnp.arange(vocab_shards)[:, None] * per_shard + columns
+            probs = jnp.exp(logits - log_norm[..., None, None])
+            d_logits = (probs - (labels[..., None, None] == ids)) * grad[..., None, None]
             if soft_cap is not None:  # d(cap * tanh(z / cap)) / dz = 1 - tanh^2
                 d_logits = d_logits * (1 - jnp.square(logits / soft_cap))
-            d_logits = d_logits.astype(h.dtype)
-            d_h = jnp.einsum("bcv,ve->bce" if tied else "bcv,ev->bce", d_logits, w_whole)
-            d_w = jnp.einsum(
-                "rbcv,rbce->rve" if tied else "rbce,rbcv->rev",
-                *(
-                    (by_row_shard(d_logits), by_row_shard(h))
-                    if tied
-                    else (by_row_shard(h), by_row_shard(d_logits))
+            d_logits = jnp.where(columns >= index * width, d_logits, 0).astype(hidden.dtype)
+            # Each vocabulary shard's part of the hidden states' gradient, summed across shards after the last run.
+            d_hidden = d_hidden + constrain(
+                jnp.einsum(
+                    "bqsv,sve->sbqe" if tied else "bqsv,esv->sbqe",
+                    d_logits,
+                    w_run,
+                    preferred_element_type=jnp.float32,
                 ),
-                preferred_element_type=jnp.float32,
+                ("vocab", "batch", "seq", None),
+                rules,
             )
-            return constrain(grad_w + d_w, ("batch", *whole_embed), rules), d_h
+            # The run's columns of the weight's gradient are whole: summed across the rows' devices into the
+            # weight's shards now, in the weight's dtype, as one dot over all the positions would.
+            d_w = constrain(
+                jnp.einsum("bqe,bqsv->sve" if tied else "bqe,bqsv->esv", hidden, d_logits), run_axes, rules
+            )
+            done = jax.lax.dynamic_slice_in_dim(grad_w, start, width, axis=slice_axis)
+            return (
+                jax.lax.dynamic_update_slice_in_dim(grad_w, done + d_w, start, axis=slice_axis),
+                d_hidden,
+            ), None
 
-        grad_w = constrain(jnp.zeros((row_shards, *w.shape), jnp.float32), ("batch", *whole_embed), rules)
-        xs = (to_chunks(hidden), to_chunks(labels), log_norm, to_chunks(grad))
-        grad_w, d_hidden = jax.lax.scan(one_chunk, grad_w, xs)
-        return from_chunks(d_hidden), constrain(grad_w.sum(0), w_axes, rules).astype(w.dtype), None
+        grad_w = constrain(jnp.zeros(w_runs.shape, w.dtype), run_axes, rules)
+        d_hidden = constrain(
+            jnp.zeros((vocab_shards, *hidden.shape), jnp.float32), ("vocab", "batch", "seq", None), rules
+        )
+        (grad_w, d_hidden), _ = jax.lax.scan(one_run, (grad_w, d_hidden), jnp.arange(slices))
+        # Summed in hidden's dtype, as one dot over the whole vocabulary would reduce across its shards.
+        d_hidden = d_hidden.astype(hidden.dtype).sum(0)
+        return d_hidden, constrain(grad_w.reshape(w.shape), w_axes, rules), None
 
     fused = jax.custom_vjp(lambda hidden, w, labels: forward(hidden, w, labels)[0])
     fused.defvjp(forward, backward)
