@@ -182,13 +182,17 @@ def test_replicas_sum_their_own_passes_and_the_step_equals_one_pass_over_the_bat
         np.testing.assert_allclose(np.asarray(have), np.asarray(want), rtol=2e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("tied", [False, True])
-@pytest.mark.parametrize("soft_cap", [None, 5.0])
-def test_the_fused_head_and_cross_entropy_equals_optax_on_the_logits_on_a_vocab_sharded_mesh(tied, soft_cap):
+@pytest.mark.parametrize(
+    "tied, soft_cap, vocab", [(False, None, 1012), (True, 5.0, 1012), (False, 5.0, 72), (True, None, 72)]
+)
+def test_the_fused_head_and_cross_entropy_equals_optax_on_the_logits_on_a_vocab_sharded_mesh(
+    tied, soft_cap, vocab
+):
     """Value, and gradient w.r.t. the hidden states and the head's weight, under a loss mask, against optax on the
     whole float32 logits; 37 positions in chunks of 8 (the last padded), on one device and on a CPU mesh that
-    shards the vocabulary over `model` and the batch over `data`. The backward pass takes each device's 1012 or
-    253 columns in 5 runs of 203 or 51, so its last run overlaps the one before."""
+    shards the vocabulary over `model` and the batch over `data`. With 1012 columns the backward pass goes through
+    the vocabulary (a device's 148 or 74 positions are fewer than its 1012 or 253 columns), in 5 runs of 203 or
+    51, so its last run overlaps the one before; with 72, through the positions."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -201,8 +205,8 @@ def test_the_fused_head_and_cross_entropy_equals_optax_on_the_logits_on_a_vocab_
     rules = {"batch": ("data",), "seq": (), "embed": (), "vocab": ("model",)}
     keys = jax.random.split(jax.random.key(1), 4)
     hidden = jax.random.normal(keys[0], (4, 37, 64))
-    w = jax.random.normal(keys[1], (1012, 64) if tied else (64, 1012)) * 0.5
-    labels = jax.random.randint(keys[2], (4, 37), 0, 1012)
+    w = jax.random.normal(keys[1], (vocab, 64) if tied else (64, vocab)) * 0.5
+    labels = jax.random.randint(keys[2], (4, 37), 0, vocab)
     mask = jax.random.bernoulli(keys[3], 0.7, (4, 37))  # targets a loss mask leaves out get no gradient
 
     def optax_form(hidden, w):

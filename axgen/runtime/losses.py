@@ -105,8 +105,14 @@ def _lm_head_cross_entropy(hidden, w, labels, *, chunk, rules, tied, soft_cap):
     logits_equation = "bce,ve->bcv" if tied else "bce,ev->bcv"
     vocab = w.shape[0 if tied else 1]
     mesh = jax.sharding.get_abstract_mesh()
-    vocab_shards = (
-        1 if mesh.empty else shards(logical_to_mesh(rules, ("vocab",), (vocab,), mesh.shape)[0], mesh.shape)
+    # How many parts the rows and the vocabulary split into.
+    row_shards, vocab_shards = (
+        (1, 1)
+        if mesh.empty
+        else (
+            shards(logical_to_mesh(rules, (axis,), (size,), mesh.shape)[0], mesh.shape)
+            for axis, size in (("batch", batch), ("vocab", vocab))
+        )
     )
 
     def to_chunks(x):  # [batch, seq, ...] -> [chunks, batch, chunk, ...], padded at the end of seq
@@ -131,6 +137,46 @@ def _lm_head_cross_entropy(hidden, w, labels, *, chunk, rules, tied, soft_cap):
         return from_chunks(losses), (hidden, w, labels, log_norm)
 
     def backward(residuals, grad):
+        # A loop over the positions sums each device's part of the weight's gradient until its last step, [embed,
+        # vocab / vocab's shards] in float32; a loop over the vocabulary sums the hidden states' gradient, [rows /
+        # row shards, seq, embed]. The smaller of the two is held.
+        if batch // row_shards * seq < vocab // vocab_shards:
+            return backward_by_vocabulary(residuals, grad)
+        return backward_by_positions(residuals, grad)
+
+    def backward_by_positions(residuals, grad):
+        hidden, w, labels, log_norm = residuals
+        w_whole = constrain(w, whole_embed, rules)
+
+        def by_row_shard(x):  # [batch, ...] -> [row_shards, batch / row_shards, ...]
+            return x.reshape(row_shards, -1, *x.shape[1:])
+
+        def one_chunk(grad_w, xs):
+            h, y, norm, g = xs
+            logits = capped_logits(logits_equation, h, w_whole, ("batch", "seq", "vocab"))
+            d_logits = _d_logits(logits, y, norm, g)
+            if soft_cap is not None:  # d(cap * tanh(z / cap)) / dz = 1 - tanh^2
+                d_logits = d_logits * (1 - jnp.square(logits / soft_cap))
+            d_logits = d_logits.astype(h.dtype)
+            d_h = jnp.einsum("bcv,ve->bce" if tied else "bcv,ev->bce", d_logits, w_whole)
+            # Each device sums its own rows' part, [row_shards, *w.shape], reduced across them after the last chunk.
+            d_w = jnp.einsum(
+                "rbcv,rbce->rve" if tied else "rbce,rbcv->rev",
+                *(
+                    (by_row_shard(d_logits), by_row_shard(h))
+                    if tied
+                    else (by_row_shard(h), by_row_shard(d_logits))
+                ),
+                preferred_element_type=jnp.float32,
+            )
+            return constrain(grad_w + d_w, ("batch", *whole_embed), rules), d_h
+
+        grad_w = constrain(jnp.zeros((row_shards, *w.shape), jnp.float32), ("batch", *whole_embed), rules)
+        xs = (to_chunks(hidden), to_chunks(labels), log_norm, to_chunks(grad))
+        grad_w, d_hidden = jax.lax.scan(one_chunk, grad_w, xs)
+        return from_chunks(d_hidden), constrain(grad_w.sum(0), w_axes, rules).astype(w.dtype), None
+
+    def backward_by_vocabulary(residuals, grad):
         hidden, w, labels, log_norm = residuals
         log_norm = from_chunks(log_norm)
         # Each device's vocabulary shard goes through in `slices` runs of `width` columns, so a run's float32
