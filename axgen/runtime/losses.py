@@ -67,12 +67,13 @@ def lm_head_cross_entropy(hidden, w, labels, *, chunk, rules, tied=False, soft_c
 
     What crosses the mesh is what one pass over the whole logits would move: the weight is gathered whole along
     `embed` once before each pass (not once a chunk), and its gradient is reduced across the batch's devices once
-    in all. For that the backward pass goes through the vocabulary rather than the positions: each device's
-    columns in `chunks` runs, all its positions at a time (a run's logits as large as a chunk's), so each run's
-    columns of the weight's gradient are whole when the run ends and go into the weight's shards then. Summing a
-    chunk of positions at a time would reduce the float32 gradient `chunks` times a step (for Llama 3 8B on
-    tpu-v5p-128, 188 of 286 GiB a chip a step; docs/maxtext.md), or hold a device's float32 partial of the whole
-    gradient until the last chunk (2 GiB a chip at Llama 3's vocabulary).
+    in all, not once a chunk (that moved 188 of 286 GiB a chip a step for Llama 3 8B on tpu-v5p-128;
+    docs/maxtext.md). So the backward pass holds one gradient in float32 until its loop ends, the smaller: going
+    through the positions a chunk at a time, each device's partial of the weight's gradient, [embed, vocab /
+    vocab's shards] (2 GiB a chip at Llama 3's vocabulary); where a device has fewer positions than vocabulary
+    columns, it goes through each device's columns in `chunks` runs instead, all its positions at a time (a run's
+    logits as large as a chunk's), so each run's columns of the weight's gradient are whole when the run ends and
+    go into the weight's shards then, and it holds the hidden states' gradient, [rows, seq, embed] a device.
 
     Where `rules` split the sequence over context shards (runtime/context.py), each shard's positions are rows of
     their own, so no chunk spans devices."""
