@@ -180,13 +180,13 @@ def _lm_head_cross_entropy(hidden, w, labels, *, chunk, rules, tied, soft_cap):
     def backward_by_vocabulary(residuals, grad):
         hidden, w, labels, log_norm = residuals
         log_norm = from_chunks(log_norm)
-        # Each device's vocabulary shard goes through in `slices` runs of `width` columns, so a run's float32
+        # Each device's vocabulary shard goes through `runs` runs of `width` columns, so a run's float32
         # logits for all of the device's positions are about one chunk's: [batch, seq, shards, width].
         per_shard = vocab // vocab_shards
         width = -(-per_shard // chunks)
-        slices = -(-per_shard // width)
+        runs = -(-per_shard // width)
         slice_axis = 1 if tied else 2
-        w_runs = constrain(w, whole_embed, rules).reshape(
+        w_by_shard = constrain(w, whole_embed, rules).reshape(
             (vocab_shards, per_shard, -1) if tied else (w.shape[0], vocab_shards, per_shard)
         )
         run_axes = ("vocab", None, "embed") if tied else ("embed", "vocab", None)
@@ -197,7 +197,7 @@ def _lm_head_cross_entropy(hidden, w, labels, *, chunk, rules, tied, soft_cap):
             # get no gradient here.
             start = jnp.minimum(index * width, per_shard - width)
             columns = start + jnp.arange(width)
-            w_run = jax.lax.dynamic_slice_in_dim(w_runs, start, width, axis=slice_axis)
+            w_run = jax.lax.dynamic_slice_in_dim(w_by_shard, start, width, axis=slice_axis)
             logits = capped_logits(
                 "bqe,sve->bqsv" if tied else "bqe,esv->bqsv", hidden, w_run, ("batch", "seq", "vocab", None)
             )
@@ -229,11 +229,11 @@ def _lm_head_cross_entropy(hidden, w, labels, *, chunk, rules, tied, soft_cap):
                 d_hidden,
             ), None
 
-        grad_w = constrain(jnp.zeros(w_runs.shape, w.dtype), run_axes, rules)
+        grad_w = constrain(jnp.zeros(w_by_shard.shape, w.dtype), run_axes, rules)
         d_hidden = constrain(
             jnp.zeros((vocab_shards, *hidden.shape), jnp.float32), ("vocab", "batch", "seq", None), rules
         )
-        (grad_w, d_hidden), _ = jax.lax.scan(one_run, (grad_w, d_hidden), jnp.arange(slices))
+        (grad_w, d_hidden), _ = jax.lax.scan(one_run, (grad_w, d_hidden), jnp.arange(runs))
         # Summed in hidden's dtype, as one dot over the whole vocabulary would reduce across its shards.
         d_hidden = d_hidden.astype(hidden.dtype).sum(0)
         return d_hidden, constrain(grad_w.reshape(w.shape), w_axes, rules), None
