@@ -33,13 +33,15 @@ def _forward(logits, labels):
 
 def _backward(residuals, grad):
     logits, labels, log_norm = residuals
-    return _d_logits(logits.astype(jnp.float32), labels, log_norm, grad).astype(logits.dtype), None
+    x = logits.astype(jnp.float32)
+    is_label = jax.nn.one_hot(labels, x.shape[-1], dtype=jnp.float32)
+    return _d_logits(x, is_label, log_norm[..., None], grad[..., None]).astype(logits.dtype), None
 
 
-def _d_logits(logits, labels, log_norm, grad):
-    """The cross-entropy's gradient w.r.t. float32 logits: (softmax - one_hot) times each position's `grad`."""
-    probs = jnp.exp(logits - log_norm[..., None])
-    return (probs - jax.nn.one_hot(labels, logits.shape[-1], dtype=jnp.float32)) * grad[..., None]
+def _d_logits(logits, is_label, log_norm, grad):
+    """The cross-entropy's gradient w.r.t. float32 logits: (softmax - one_hot) times each position's `grad`, for
+    `is_label` (1 at each position's label) and log_norm and grad broadcast against the logits."""
+    return (jnp.exp(logits - log_norm) - is_label) * grad
 
 
 cross_entropy.defvjp(_forward, _backward)
@@ -127,6 +129,13 @@ def _lm_head_cross_entropy(hidden, w, labels, *, chunk, rules, tied, soft_cap):
         logits = constrain(jnp.einsum(equation, h, w, preferred_element_type=jnp.float32), axes, rules)
         return logits if soft_cap is None else soft_cap * jnp.tanh(logits / soft_cap)
 
+    def d_uncapped(
+        logits, is_label, norm, g
+    ):  # _d_logits w.r.t. the logits before the cap, from the capped ones
+        d_logits = _d_logits(logits, is_label, norm, g)
+        # d(cap * tanh(z / cap)) / dz = 1 - tanh^2
+        return d_logits if soft_cap is None else d_logits * (1 - jnp.square(logits / soft_cap))
+
     def forward(hidden, w, labels):
         w = constrain(w, whole_embed, rules)
 
@@ -155,10 +164,8 @@ def _lm_head_cross_entropy(hidden, w, labels, *, chunk, rules, tied, soft_cap):
         def one_chunk(grad_w, xs):
             h, y, norm, g = xs
             logits = capped_logits(logits_equation, h, w_whole, ("batch", "seq", "vocab"))
-            d_logits = _d_logits(logits, y, norm, g)
-            if soft_cap is not None:  # d(cap * tanh(z / cap)) / dz = 1 - tanh^2
-                d_logits = d_logits * (1 - jnp.square(logits / soft_cap))
-            d_logits = d_logits.astype(h.dtype)
+            is_label = jax.nn.one_hot(y, logits.shape[-1], dtype=jnp.float32)
+            d_logits = d_uncapped(logits, is_label, norm[..., None], g[..., None]).astype(h.dtype)
             d_h = jnp.einsum("bcv,ve->bce" if tied else "bcv,ev->bce", d_logits, w_whole)
             # Each device sums its own rows' part, [row_shards, *w.shape], reduced across them after the last chunk.
             d_w = jnp.einsum(
@@ -202,10 +209,9 @@ def _lm_head_cross_entropy(hidden, w, labels, *, chunk, rules, tied, soft_cap):
                 "bqe,sve->bqsv" if tied else "bqe,esv->bqsv", hidden, w_run, ("batch", "seq", "vocab", None)
             )
             ids = jnp.arange(vocab_shards)[:, None] * per_shard + columns
-            probs = jnp.exp(logits - log_norm[..., None, None])
-            d_logits = (probs - (labels[..., None, None] == ids)) * grad[..., None, None]
-            if soft_cap is not None:  # d(cap * tanh(z / cap)) / dz = 1 - tanh^2
-                d_logits = d_logits * (1 - jnp.square(logits / soft_cap))
+            d_logits = d_uncapped(
+                logits, labels[..., None, None] == ids, log_norm[..., None, None], grad[..., None, None]
+            )
             d_logits = jnp.where(columns >= index * width, d_logits, 0).astype(hidden.dtype)
             # Each vocabulary shard's part of the hidden states' gradient, summed across shards after the last run.
             d_hidden = d_hidden + constrain(
