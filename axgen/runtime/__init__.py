@@ -11,8 +11,9 @@ dependencies.
 """
 
 import importlib
+import sys
 
-# Each name is imported from its module when a program first reads it (PEP 562), so the compiler can read
+# The names are imported from their modules when a program first reads one (PEP 562), so the compiler can read
 # runtime/kernels.py's table without importing jax.
 _HOMES = {
     "ParamSpec": "params",
@@ -64,7 +65,13 @@ _HOMES = {
 def __getattr__(name):
     if name not in _HOMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_HOMES[name]}"), name)
+    # Every home at once, at the first name a program reads (its PARAMS, as it is imported): a module first imported
+    # while a step is traced can add to jax's trace context (Pallas's flags do, by splash's import), and jit would
+    # then trace and compile that step a second time at its second call.
+    for home in sorted(set(_HOMES.values())):
+        importlib.import_module(f"{__name__}.{home}")
+    globals().update({n: getattr(sys.modules[f"{__name__}.{home}"], n) for n, home in _HOMES.items()})
+    return globals()[name]
 
 
 __all__ = sorted(_HOMES)
