@@ -23,6 +23,7 @@ from axgen.ir import from_spec
 from axgen.loader import load_spec
 from axgen.passes import run_passes
 from axgen.runtime import checkpoints
+from axgen.runtime.context import sequence_index
 from axgen.runtime.params import joined
 from axgen.runtime.program import Program
 
@@ -125,15 +126,22 @@ def test_lora_dropout_drops_the_adapters_inputs_as_torch_dropout_does_in_trainin
 
     x = jnp.ones((64, 32, 16))
     keys = dropout.dropout_keys(0, 3, 64)
-    dropped = dropout.lora_dropout(x, keys, 0.25, "wq_lora_a")
+    rules = {"batch": ("data",), "seq": ("context",)}
+    dropped = dropout.lora_dropout(x, keys, 0.25, "wq_lora_a", rules)
     np.testing.assert_allclose(np.unique(np.asarray(dropped)), [0.0, 1 / 0.75], rtol=1e-6)
     assert abs(float((dropped == 0).mean()) - 0.25) < 0.01, "a quarter of the values"
     assert (
-        0.55 < float((dropped == dropout.lora_dropout(x, keys, 0.25, "wk_lora_a")).mean()) < 0.7
+        0.55 < float((dropped == dropout.lora_dropout(x, keys, 0.25, "wk_lora_a", rules)).mean()) < 0.7
     ), "own masks"
-    next_step = dropout.lora_dropout(x, dropout.dropout_keys(0, 4, 64), 0.25, "wq_lora_a")
+    next_step = dropout.lora_dropout(x, dropout.dropout_keys(0, 4, 64), 0.25, "wq_lora_a", rules)
     assert 0.55 < float((dropped == next_step).mean()) < 0.7, "each step its own masks"
-    assert dropout.lora_dropout(x, None, 0.25, "wq_lora_a") is x
+    assert dropout.lora_dropout(x, None, 0.25, "wq_lora_a", rules) is x
+    # The sequence split over 4 context shards, in context order (each shard a front and a back chunk): each
+    # position is dropped as it is in sequence order.
+    mesh = jax.make_mesh((2, 4), ("data", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    with jax.set_mesh(mesh):
+        in_context_order = jax.jit(lambda x: dropout.lora_dropout(x, keys, 0.25, "wq_lora_a", rules))(x)
+    np.testing.assert_array_equal(in_context_order, np.asarray(dropped)[:, sequence_index(32, 4)])
 
     spec = tmp_path / "lora_dropout.py"
     spec.write_text(
@@ -141,7 +149,9 @@ def test_lora_dropout_drops_the_adapters_inputs_as_torch_dropout_does_in_trainin
         'spec = base.replace(name="lora-dropout", features=[rope, lora.replace(dropout=0.25)])\n'
     )
     built = build(spec, "cpu-1")
-    assert 'runtime.lora_dropout(attn_norm, dropout_keys, 0.25, "wq_lora_a")' in built.source
+    assert (
+        'runtime.lora_dropout(attn_norm, dropout_keys, 0.25, "wq_lora_a", LOGICAL_AXIS_RULES)' in built.source
+    )
     assert peft.adapter_config(built.spec, None)["lora_dropout"] == 0.25
     write_atomically(tmp_path / "program.py", built.source)
     module = load_program(tmp_path / "program.py")

@@ -4,13 +4,17 @@ remat draws the same masks, since every mask follows from its row, layer and pro
 
 Keys travel as their raw data ([rows, 2] uint32 for threefry), so they split into microbatches and shard along
 the batch as the token rows beside them do. A mask's key is its row's key folded with the names and indices on
-the way to it: the scan's name and the layer's index, then the projection's param name.
+the way to it: the scan's name and the layer's index, then the projection's param name, then each position's index
+in the sequence, so a sequence split over context shards (runtime/context.py) drops what it would whole.
 """
 
 import zlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from axgen.runtime.context import context_shards, sequence_index
 
 
 def dropout_keys(seed: int, step, rows: int):
@@ -39,14 +43,24 @@ def with_layer_keys(stacked, keys, name: str):
     return stacked, jax.vmap(lambda layer: fold_rows(keys, layer))(jnp.arange(layers))
 
 
-def lora_dropout(x, keys, rate: float, name: str):
-    """x [rows, ...] with each value dropped with probability `rate` and the rest scaled by 1 / (1 - rate), as
-    torch's Dropout in training; x itself without keys."""
+def lora_dropout(x, keys, rate: float, name: str, rules: dict):
+    """x [rows, seq, ...] with each value dropped with probability `rate` and the rest scaled by 1 / (1 - rate), as
+    torch's Dropout in training; x itself without keys. Each position draws its mask from its index in the
+    sequence, which is not its place in x where `rules` (the program's logical-axis rules) split the sequence over
+    context shards."""
     if keys is None:
         return x
-    keep = jax.vmap(lambda key: jax.random.bernoulli(jax.random.wrap_key_data(key), 1 - rate, x.shape[1:]))(
-        fold_rows(keys, name)
-    )
+    seq = x.shape[1]
+    shards = context_shards(rules, *x.shape[:2])[1]
+    index = jnp.asarray(sequence_index(seq, shards) if shards > 1 else np.arange(seq))
+
+    def row_mask(key):
+        key = jax.random.wrap_key_data(key)
+        return jax.vmap(lambda i: jax.random.bernoulli(jax.random.fold_in(key, i), 1 - rate, x.shape[2:]))(
+            index
+        )
+
+    keep = jax.vmap(row_mask)(fold_rows(keys, name))
     return jnp.where(keep, x / (1 - rate), 0).astype(x.dtype)
 
 
