@@ -129,9 +129,8 @@ def _lm_head_cross_entropy(hidden, w, labels, *, chunk, rules, tied, soft_cap):
         logits = constrain(jnp.einsum(equation, h, w, preferred_element_type=jnp.float32), axes, rules)
         return logits if soft_cap is None else soft_cap * jnp.tanh(logits / soft_cap)
 
-    def d_uncapped(
-        logits, is_label, norm, g
-    ):  # _d_logits w.r.t. the logits before the cap, from the capped ones
+    def d_uncapped(logits, is_label, norm, g):
+        """_d_logits w.r.t. the logits before the cap, from the capped ones."""
         d_logits = _d_logits(logits, is_label, norm, g)
         # d(cap * tanh(z / cap)) / dz = 1 - tanh^2
         return d_logits if soft_cap is None else d_logits * (1 - jnp.square(logits / soft_cap))
