@@ -1,7 +1,10 @@
 """IR dumps before/after passes, emitted programs, determinism, and what a spec without a feature leaves out."""
 
 import ast
+import importlib
+import os
 
+import black
 import pytest
 
 from axgen.build import build, default_output, lowered
@@ -13,6 +16,8 @@ from axgen.passes.manager import RegisteredPass, order
 from tests.conftest import ROOT
 
 TINY = ROOT / "axgen/specs/llama_tiny.py"
+# The module, not the function `axgen.codegen` exports under its name.
+EMIT_MODULE = importlib.import_module("axgen.codegen.emit")
 
 
 def test_dump_before_and_after_rope(snapshot):
@@ -55,11 +60,36 @@ def test_generated_tree_is_current():
     assert default_output(TINY, "cpu-8", ROOT / "generated").read_text() == build(TINY, "cpu-8").source
 
 
-def test_a_template_that_renders_invalid_python_is_a_compiler_error_naming_it(monkeypatch):
+def test_black_formats_a_source_once_and_the_same_source_is_read_back(monkeypatch, tmp_path):
+    """The format cache: a source black has not seen is formatted and kept; built again (here or in another
+    process) it is read back; another source is formatted anew, and the oldest entries go past the cache's size;
+    a cache that cannot be written costs nothing else."""
+    formats = []
+    black_format = black.format_str
+    monkeypatch.setattr(EMIT_MODULE, "FORMAT_CACHE", tmp_path / "cache")
+    monkeypatch.setattr(EMIT_MODULE, "FORMAT_CACHE_ENTRIES", 2)
+    monkeypatch.setattr(
+        "black.format_str", lambda source, mode: formats.append(source) or black_format(source, mode=mode)
+    )
+    program = build(TINY, "cpu-1").source
+    assert len(formats) == 1 and [p.read_text() for p in (tmp_path / "cache").iterdir()] == [program]
+    assert build(TINY, "cpu-1").source == program and len(formats) == 1
+    assert build(TINY, "cpu-8").source != program and len(formats) == 2
+    for kept in (tmp_path / "cache").iterdir():  # cpu-8's the older, whatever the clock's resolution
+        os.utime(kept, (0, 1 if kept.read_text() == program else 0))
+    newest = build(TINY, "tpu-v5e-8").source
+    assert sorted(p.read_text() for p in (tmp_path / "cache").iterdir()) == sorted([program, newest])
+    (tmp_path / "a-file").touch()
+    monkeypatch.setattr(EMIT_MODULE, "FORMAT_CACHE", tmp_path / "a-file" / "cache")
+    assert build(TINY, "cpu-1").source == program and len(formats) == 4
+
+
+def test_a_template_that_renders_invalid_python_is_a_compiler_error_naming_it(monkeypatch, tmp_path):
     """black's grammar is more lenient than Python's (it formats a `return` outside any function); the compile
     after it is what turns such a template bug into an error naming the template, not a broken program."""
     from axgen.codegen.emit import EmitError
 
+    monkeypatch.setattr(EMIT_MODULE, "FORMAT_CACHE", tmp_path)
     monkeypatch.setattr("black.format_str", lambda source, mode: "step = 1\nreturn step\n")
     with pytest.raises(EmitError, match="templates/program.py.j2 rendered invalid Python for cpu-1"):
         build(TINY, "cpu-1")

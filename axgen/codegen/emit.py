@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import importlib.resources
+import os
 import sys
+import tempfile
+from pathlib import Path
 
 import black
 import jinja2
@@ -24,6 +28,11 @@ TEMPLATES = importlib.resources.files("axgen.templates")
 # How emitted programs are formatted. `make test`'s `black --check .` reads pyproject.toml's [tool.black] for
 # generated/ too, so the two cannot drift apart unnoticed.
 BLACK_MODE = black.Mode(line_length=110, target_versions={black.TargetVersion.PY312})
+# black takes about 0.4 s a 7B program, most of a build. What it made of a source is kept here under the hash of
+# all that decides it (black's version, the mode, the source), so a source is formatted once a machine; the
+# newest FORMAT_CACHE_ENTRIES stay (at most about 100 MB).
+FORMAT_CACHE = Path.home() / ".cache" / "axgen" / "black"
+FORMAT_CACHE_ENTRIES = 1000
 
 
 class EmitError(RuntimeError):
@@ -65,12 +74,34 @@ def emit(graph: Graph, output_name: str) -> str:
     env = _environment()
     source = env.get_template("program.py.j2").render(**_context(env, graph, output_name))
     try:
-        formatted = black.format_str(source, mode=BLACK_MODE)
+        formatted = _formatted(source)
         compile(formatted, output_name, "exec", dont_inherit=True)
     except (black.parsing.InvalidInput, SyntaxError) as err:
         raise EmitError(
             f"templates/program.py.j2 rendered invalid Python for {graph.attrs['target']}: {err}"
         ) from None
+    return formatted
+
+
+def _formatted(source: str) -> str:
+    """`source` formatted by black, from FORMAT_CACHE when it holds it; a cache that cannot be read or written
+    costs only the formatting."""
+    key = f"{black.__version__}\n{BLACK_MODE.get_cache_key()}\n{source}"
+    kept = FORMAT_CACHE / f"{hashlib.sha256(key.encode()).hexdigest()}.py"
+    try:
+        return kept.read_text()
+    except OSError:
+        pass
+    formatted = black.format_str(source, mode=BLACK_MODE)
+    try:
+        FORMAT_CACHE.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=FORMAT_CACHE, suffix=".tmp", delete=False) as staged:
+            staged.write(formatted)
+        os.replace(staged.name, kept)  # whole or not at all, for a build running beside this one
+        for old in sorted(FORMAT_CACHE.glob("*.py"), key=lambda p: p.stat().st_mtime)[:-FORMAT_CACHE_ENTRIES]:
+            old.unlink(missing_ok=True)
+    except OSError:
+        pass
     return formatted
 
 
