@@ -36,6 +36,8 @@ def linear_flops_per_device(target, recomputed_roles=()):
     return per_token * built.spec.train.global_batch * built.spec.train.seq_len / built.plan.num_devices
 
 
+# slow tier: each needs a chip's compiler (make test-slow installs them) and compiles for 10-25 s on 2 cores
+@pytest.mark.slow
 def test_tpu_program_compiles_for_a_v5e_slice_with_the_splash_kernel(capsys, tmp_path):
     code, [report], err = aot(capsys, TINY, "--target", "tpu-v5e-8", "--dump-to", str(tmp_path / "dumps"))
     assert code == 0 and report["fits"]
@@ -55,6 +57,7 @@ def test_tpu_program_compiles_for_a_v5e_slice_with_the_splash_kernel(capsys, tmp
     assert report["dot_flops"] == linear_flops_per_device("tpu-v5e-8", recomputed_roles=("mlp_in",))
 
 
+@pytest.mark.slow
 def test_h100_program_compiles_through_the_cuda_plugin_with_cudnn_attention(capsys):
     code, [report], _ = aot(capsys, TINY, "--target", "gpu-h100-8")
     assert code == 0 and report["fits"]
@@ -173,6 +176,7 @@ def test_expert_parallel_moe_compiles_for_tpu_with_ragged_matmul_kernels(tmp_pat
     assert report["collectives"].get("reduce-scatter", 0) > 0, "expert outputs summed back to their tokens"
 
 
+@pytest.mark.slow
 def test_a_program_that_does_not_fit_exits_1_with_the_figure(tmp_path, capsys):
     spec = tmp_path / "specs" / "wide_vocab.py"
     spec.parent.mkdir()
