@@ -63,7 +63,7 @@ def test_generated_tree_is_current():
 def test_black_formats_a_source_once_and_the_same_source_is_read_back(monkeypatch, tmp_path):
     """The format cache: a source black has not seen is formatted and kept; built again (here or in another
     process) it is read back; another source is formatted anew, and the oldest entries go past the cache's size;
-    a cache that cannot be written costs nothing else."""
+    a cache that cannot be written, or none, costs nothing else."""
     formats = []
     black_format = black.format_str
     monkeypatch.setattr(EMIT_MODULE, "FORMAT_CACHE", tmp_path / "cache")
@@ -82,6 +82,8 @@ def test_black_formats_a_source_once_and_the_same_source_is_read_back(monkeypatc
     (tmp_path / "a-file").touch()
     monkeypatch.setattr(EMIT_MODULE, "FORMAT_CACHE", tmp_path / "a-file" / "cache")
     assert build(TINY, "cpu-1").source == program and len(formats) == 4
+    monkeypatch.setattr(EMIT_MODULE, "FORMAT_CACHE", None)  # no home directory
+    assert build(TINY, "cpu-1").source == program and len(formats) == 5
 
 
 def test_a_template_that_renders_invalid_python_is_a_compiler_error_naming_it(monkeypatch, tmp_path):

@@ -7,13 +7,13 @@ each run of nodes that share a spec field and passes. The result is formatted by
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import importlib.resources
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import black
@@ -28,11 +28,20 @@ TEMPLATES = importlib.resources.files("axgen.templates")
 # How emitted programs are formatted. `make test`'s `black --check .` reads pyproject.toml's [tool.black] for
 # generated/ too, so the two cannot drift apart unnoticed.
 BLACK_MODE = black.Mode(line_length=110, target_versions={black.TargetVersion.PY312})
-# black takes about 0.4 s a 7B program, most of a build. What it made of a source is kept here under the hash of
-# all that decides it (black's version, the mode, the source), so a source is formatted once a machine; the
-# newest FORMAT_CACHE_ENTRIES stay (at most about 100 MB).
-FORMAT_CACHE = Path.home() / ".cache" / "axgen" / "black"
+# black takes about 0.4 s a 7B program, most of a build. What it made of a source is kept in FORMAT_CACHE under
+# the hash of all that decides it (black's version, the mode, the source), so a source is formatted once a
+# machine; the newest FORMAT_CACHE_ENTRIES stay (at most about 100 MB).
 FORMAT_CACHE_ENTRIES = 1000
+
+
+def _user_cache() -> Path | None:
+    try:
+        return Path.home() / ".cache" / "axgen" / "black"
+    except RuntimeError:  # a user without a home directory (some containers'): every build formats
+        return None
+
+
+FORMAT_CACHE = _user_cache()
 
 
 class EmitError(RuntimeError):
@@ -86,6 +95,8 @@ def emit(graph: Graph, output_name: str) -> str:
 def _formatted(source: str) -> str:
     """`source` formatted by black, from FORMAT_CACHE when it holds it; a cache that cannot be read or written
     costs only the formatting."""
+    if FORMAT_CACHE is None:
+        return black.format_str(source, mode=BLACK_MODE)
     key = f"{black.__version__}\n{BLACK_MODE.get_cache_key()}\n{source}"
     kept = FORMAT_CACHE / f"{hashlib.sha256(key.encode()).hexdigest()}.py"
     try:
@@ -93,15 +104,16 @@ def _formatted(source: str) -> str:
     except OSError:
         pass
     formatted = black.format_str(source, mode=BLACK_MODE)
+    staged = FORMAT_CACHE / f"{kept.stem}.{os.getpid()}.tmp"
     try:
         FORMAT_CACHE.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=FORMAT_CACHE, suffix=".tmp", delete=False) as staged:
-            staged.write(formatted)
-        os.replace(staged.name, kept)  # whole or not at all, for a build running beside this one
+        staged.write_text(formatted)
+        os.replace(staged, kept)  # whole or not at all, for a build running beside this one
         for old in sorted(FORMAT_CACHE.glob("*.py"), key=lambda p: p.stat().st_mtime)[:-FORMAT_CACHE_ENTRIES]:
             old.unlink(missing_ok=True)
     except OSError:
-        pass
+        with contextlib.suppress(OSError):
+            staged.unlink()  # a full disk's partial file
     return formatted
 
 
