@@ -10,6 +10,7 @@ import json
 import shutil
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 
@@ -177,6 +178,12 @@ def summary(manifest: dict, seconds: float) -> str:
 # --- the dataset format -------------------------------------------------------------------------------------
 
 
+class ManifestEntry(Protocol):
+    """What a masked dataset's manifest says of its conversations or pairs, known once its documents are read."""
+
+    def manifest_entry(self) -> dict: ...
+
+
 def write_dataset(
     out_dir: Path,
     documents: Iterable[np.ndarray],
@@ -191,7 +198,7 @@ def write_dataset(
     sources: list[str] = (),
     skipped=(0, []),
     overwrite: bool = False,
-    conversations=None,
+    conversations: dict | ManifestEntry | None = None,
     pairs: bool = False,
 ) -> dict:
     """Writes `documents` (1-D integer arrays of token ids, without bos/eos) as a dataset; returns the
