@@ -4,7 +4,8 @@ GPU kernel side by side, the dense one under each XLA flag worth trying, the den
 stacked layers' weights cast to bf16 all at once before the layers (MeshRule.stack_cast), and `axgen plan`'s top
 five for the dense model (its first choice against the fastest measured). MaxText on the same dense model where it is installed.
 
-    .venv/bin/python bench/h100.py prepare            # on a host with axgen: programs, dataset, AOT peaks, plan
+    .venv/bin/python bench/h100.py prepare            # on a host with axgen and its [gpu-aot] extra (make test-slow
+                                                      # installs it): programs, dataset, AOT peaks, plan
     python bench/h100.py run --out docs/h100.md       # on the H100: needs jax, optax, orbax (tensorboardX travels)
     .venv/bin/python bench/h100.py smoke              # both, with tiny models on CPU: checks the bench itself
 
