@@ -7,12 +7,10 @@ each run of nodes that share a spec field and passes. The result is formatted by
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
 import importlib.resources
-import os
 import sys
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import black
 import jinja2
 
 import axgen
+from axgen.files import OutputError, write_atomically
 from axgen.ir import OPS, Graph, Node
 from axgen.ir.types import LOGICAL_AXES
 
@@ -100,20 +99,16 @@ def _formatted(source: str) -> str:
     key = f"{black.__version__}\n{BLACK_MODE.get_cache_key()}\n{source}"
     kept = FORMAT_CACHE / f"{hashlib.sha256(key.encode()).hexdigest()}.py"
     try:
-        return kept.read_text()
+        return kept.read_text(encoding="utf-8")
     except OSError:
         pass
     formatted = black.format_str(source, mode=BLACK_MODE)
-    staged = FORMAT_CACHE / f"{kept.stem}.{os.getpid()}.tmp"
     try:
-        FORMAT_CACHE.mkdir(parents=True, exist_ok=True)
-        staged.write_text(formatted)
-        os.replace(staged, kept)  # whole or not at all, for a build running beside this one
+        write_atomically(kept, formatted)  # whole or not at all, for a build running beside this one
         for old in sorted(FORMAT_CACHE.glob("*.py"), key=lambda p: p.stat().st_mtime)[:-FORMAT_CACHE_ENTRIES]:
             old.unlink(missing_ok=True)
-    except OSError:
-        with contextlib.suppress(OSError):
-            staged.unlink()  # a full disk's partial file
+    except (OSError, OutputError):
+        pass
     return formatted
 
 
