@@ -3,6 +3,7 @@ device running its stage on one microbatch while the others run theirs (runtime.
 schedule, whose microbatches go round the stages, each holding several runs. The proof is issue 39's: on the CPU
 mesh, stage=2 and stage=4 give one stage's loss and gradients, accumulated over passes."""
 
+import contextlib
 import functools
 
 import jax
@@ -42,6 +43,7 @@ def spec_file(
     microbatch,
     pipeline_microbatches=None,
     pipeline_repeats=None,
+    pipeline_schedule=None,
     base="llama_tiny",
     features="",
     layers=4,
@@ -55,7 +57,7 @@ def spec_file(
         f"tiny = tiny.replace(decoder=tiny.decoder.replace(num_layers={layers}))\n"
         f"rule = MeshRule({target!r}, {mesh!r}, why='pipeline stages under test', "
         f"microbatch={microbatch}, pipeline_microbatches={pipeline_microbatches}, "
-        f"pipeline_repeats={pipeline_repeats})\n"
+        f"pipeline_repeats={pipeline_repeats}, pipeline_schedule={pipeline_schedule!r})\n"
         f"spec = tiny.replace(mesh_rules=[rule], features=[*tiny.features, {features}], targets=[{target!r}])\n"
     )
     return path
@@ -126,31 +128,108 @@ def test_the_stages_run_the_scan_they_split_in_value_and_gradient():
     assert bubble(4, 4) == 3 / 7 and bubble(2, 8) == 1 / 9 and bubble(4, 4, 3) == 3 / 15
 
 
+def test_1f1b_stages_give_the_loss_and_gradients_of_the_plain_model():
+    """runtime.pipelined_loss (1F1B: each microbatch's backward as soon as its forward leaves the last stage, the
+    loss in the last stage) of an embedding, 8 layers and a head over 2 and 4 stages, on one device (every stage
+    there) and on meshes whose stage axis is manual beside fsdp and model or data, equals the plain model's
+    weighted loss, and its gradients those of the params, the stack and the weights (each target's loss); its value
+    alone (no gradient) runs the forwards only. With 4 stages of 2 microbatches the ring's slots outnumber them.
+    """
+
+    def layer(x, p, positions, segment_ids):
+        h = runtime.constrain(jnp.tanh(jnp.einsum("bse,ef->bsf", x, p["w1"])), ("batch", "seq", "mlp"), RULES)
+        scale = segment_ids[..., None] + 0.01 * positions[..., None]
+        return runtime.constrain(
+            x + jnp.einsum("bsf,fe->bse", h, p["w2"]) * scale, ("batch", "seq", "embed"), RULES
+        )
+
+    def first(params, mb):
+        return jnp.take(params["embed"], mb["tokens"], axis=0)
+
+    def last(params, x, mb):
+        return runtime.cross_entropy(x @ params["head"], mb["labels"])
+
+    keys = jax.random.split(jax.random.key(1), 5)
+    stacked = {
+        "w1": 0.3 * jax.random.normal(keys[0], (8, 16, 32)),
+        "w2": 0.3 * jax.random.normal(keys[1], (8, 32, 16)),
+    }
+    params = {
+        "embed": jax.random.normal(keys[2], (11, 16)),
+        "head": 0.3 * jax.random.normal(keys[3], (16, 11)),
+    }
+    tokens = jax.random.randint(keys[4], (8, 7), 0, 11)
+    segment_ids = jnp.ones((8, 6), jnp.int32).at[:, 4:].set(2)
+    inputs = {
+        "tokens": tokens[:, :-1],
+        "labels": tokens[:, 1:],
+        "positions": jnp.broadcast_to(jnp.arange(6), (8, 6)),
+        "segment_ids": segment_ids,
+        "weights": jnp.linspace(0.1, 1.0, 48).reshape(8, 6),
+    }
+
+    def plain(params, stacked, weights):
+        step = functools.partial(layer, positions=inputs["positions"], segment_ids=inputs["segment_ids"])
+        x = jax.lax.scan(lambda x, p: (step(x, p), None), first(params, inputs), stacked)[0]
+        return jnp.sum(last(params, x, inputs) * weights)
+
+    expected, expected_grads = jax.value_and_grad(plain, (0, 1, 2))(params, stacked, inputs["weights"])
+    for stages, microbatch, mesh in [
+        (2, 1, None),
+        (4, 1, None),
+        (2, 1, mesh_of(stage=2, fsdp=2, model=2)),
+        (4, 2, mesh_of(stage=4, data=2)),
+    ]:
+
+        def staged(params, stacked, weights):
+            weighted = {**inputs, "weights": weights}
+            return runtime.pipelined_loss(
+                first,
+                layer,
+                last,
+                params,
+                stacked,
+                weighted,
+                stages=stages,
+                microbatch=microbatch,
+                rules=RULES,
+            )
+
+        with jax.set_mesh(mesh) if mesh else contextlib.nullcontext():
+            value, grads = jax.jit(jax.value_and_grad(staged, (0, 1, 2)))(params, stacked, inputs["weights"])
+            forward_only = jax.jit(staged)(params, stacked, inputs["weights"])
+        np.testing.assert_allclose([value, forward_only], [expected, expected], rtol=1e-6)
+        for grad, expected_grad in zip(jax.tree.leaves(grads), jax.tree.leaves(expected_grads)):
+            np.testing.assert_allclose(grad, expected_grad, atol=1e-5 * np.abs(expected_grad).max())
+
+
 @pytest.fixture(scope="module")
 def stage_programs(tmp_path_factory):
     """llama_tiny in passes of 2 sequences a device on stage=2 x fsdp=2 x model=2, circular (each pass 2
-    microbatches of 1 sequence, the default, going round the 2 stages twice: stage 0 holds layers 0 and 2), and in
-    passes of 4 on stage=4 x model=2 with GPipe (2 microbatches of 2 sequences, fewer than the stages)."""
+    microbatches of 1 sequence, the default, going round the 2 stages twice: stage 0 holds layers 0 and 2) and
+    1F1B, and in passes of 4 on stage=4 x model=2 with GPipe (2 microbatches of 2 sequences, fewer than the
+    stages)."""
     tmp_path = tmp_path_factory.mktemp("stages")
     programs = {}
-    for stages, mesh, passes in [
-        (2, {"stage": 2, "fsdp": 2, "model": 2}, (2, None, 2)),
-        (4, {"stage": 4, "model": 2}, (4, 2)),
+    for name, mesh, passes in [
+        ("stage=2 circular", {"stage": 2, "fsdp": 2, "model": 2}, (2, None, 2)),
+        ("stage=2 1F1B", {"stage": 2, "fsdp": 2, "model": 2}, (2, None, None, "1f1b")),
+        ("stage=4 GPipe", {"stage": 4, "model": 2}, (4, 2)),
     ]:
-        out = tmp_path / f"stage_{stages}.py"
-        write_atomically(out, build(spec_file(tmp_path, f"stage_{stages}", mesh, *passes), "cpu-8").source)
-        programs[stages] = load_program(out)
+        out = tmp_path / f"{name.replace('=', '_').replace(' ', '_')}.py"
+        write_atomically(out, build(spec_file(tmp_path, out.stem, mesh, *passes), "cpu-8").source)
+        programs[name] = load_program(out)
     return programs
 
 
 def test_stage_2_and_4_train_as_one_stage_does(stage_programs):
-    """The loss and every gradient of a step of 8 sequences on stage=2 (circular) and on stage=4 (GPipe) equal one
-    stage's within
-    float32 noise, each taking the batch in 2 passes whose rows are those one device's 2 passes take
-    (runtime.gradients): with one document a row, and with documents packed into the rows, padding and a loss mask
-    (the passes then count different targets, and the step's loss is the mean of the passes' means). Gradients
-    within 2e-6 of their largest magnitude: sums over the sharded passes round in another order (one element of
-    32,768 is 1.1e-6 off on stage=2)."""
+    """The loss and every gradient of a step of 8 sequences on stage=2 (circular, and 1F1B) and on stage=4 (GPipe)
+    equal one stage's within float32 noise, each taking the batch in 2 passes whose rows are those one device's 2
+    passes take (runtime.gradients): with one document a row, and with documents packed into the rows, padding
+    and a loss mask (the passes then count different targets, and the step's loss is the mean of the passes'
+    means). Gradients within 2e-6 of their largest magnitude: sums over the sharded passes round in another order
+    (one element of 32,768 is 1.1e-6 off on stage=2). The 1F1B program's evaluation (its pipeline's forwards
+    alone) sums the same losses."""
     one_stage = load_program(ROOT / "generated/llama_tiny/cpu_8.py")
     params = Program.from_module(one_stage).init_params(jax.random.key(0))
     packed = tuple(x[:8] for x in packed_batch(True))
@@ -171,7 +250,7 @@ def test_stage_2_and_4_train_as_one_stage_does(stage_programs):
         return float(loss), grads
 
     expected = {"rows alone": reference(rows_alone), "packed": reference(packed)}
-    for stages, module in stage_programs.items():
+    for name, module in stage_programs.items():
         program = Program.from_module(module)
         mesh = program.make_mesh()
         step = jax.jit(
@@ -187,25 +266,31 @@ def test_stage_2_and_4_train_as_one_stage_does(stage_programs):
         with jax.set_mesh(mesh):
             placed = {"params": jax.device_put(params, program.param_shardings(mesh))}
             got = {"rows alone": step(placed, batch=rows_alone), "packed": step(placed, batch=packed)}
+            if "1F1B" in name:
+                sums = jax.jit(module.eval_step)(placed["params"], *packed)
         for batch, ((loss, _), grads) in got.items():
             expected_loss, expected_grads = expected[batch]
-            np.testing.assert_allclose(
-                float(loss), expected_loss, rtol=1e-6, err_msg=f"stage={stages} {batch}"
-            )
-            assert_gradients_close(grads, expected_grads, 2e-6, f"stage={stages} {batch}")
+            np.testing.assert_allclose(float(loss), expected_loss, rtol=1e-6, err_msg=f"{name} {batch}")
+            assert_gradients_close(grads, expected_grads, 2e-6, f"{name} {batch}")
+    expected_sums = one_stage.eval_step(params, *packed)
+    np.testing.assert_allclose(sums["loss_sum"], expected_sums["loss_sum"], rtol=1e-6)
+    assert sums["targets"] == expected_sums["targets"] == 886
 
 
 def test_the_lowering_shows_the_stages_and_refuses_what_it_cannot_split(tmp_path, capsys):
     """`axgen graph --after lowering` shows the decoder's scan in stages; the program runs it through
     runtime.pipeline, with why, and the train step its passes as without stages. More stages than layers, stages
     of unequal layers or of part of a group, pipeline microbatches that do not split a pass or have no stages to go
-    through, rounds of the circular schedule that do not cut the layers into equal runs, and routed experts are refused at build time naming the rule and the
-    value, with nothing written."""
+    through, rounds of the circular schedule that do not cut the layers into equal runs, routed experts, a
+    schedule that does not match its rounds, and 1F1B where the loss is more than the cross-entropy (DPO) are
+    refused at build time naming the rule and the value, with nothing written. 1F1B prints the pipelined loss:
+    the first stage's input and the last stage's losses as functions of a microbatch."""
     spec = spec_file(tmp_path, "stages", {"stage": 2, "fsdp": 2, "model": 2}, 2)
     assert axgen(["graph", str(spec), "--target", "cpu-8", "--after", "lowering"]) == 0
     graph = capsys.readouterr().out
     assert (
-        "steps=4 function=decoder_layer calls=(1xdecoder_layer) stages=2 stage_microbatch=1 pipeline=2 stages of "
+        "steps=4 function=decoder_layer calls=(1xdecoder_layer) stages=2 stage_schedule=gpipe stage_microbatch=1 "
+        "pipeline=2 stages of "
         "2 layers on the mesh's stage axis, GPipe over each pass's 2 microbatches of 1 sequence(s) per device"
         in graph
     )
@@ -222,6 +307,20 @@ def test_the_lowering_shows_the_stages_and_refuses_what_it_cannot_split(tmp_path
         "circular, 2 rounds over each pass's 2 microbatches of 2 sequence(s) per device" in circular
     )
     assert "        stages=2,\n        repeats=2,\n        microbatch=2,\n" in circular
+    one_f_one_b = build(
+        spec_file(tmp_path, "1f1b", {"stage": 2, "fsdp": 4}, 2, None, None, "1f1b"), "cpu-8"
+    ).source
+    assert (
+        "    # pipeline · 2 stages of 2 layers on the mesh's stage axis, 1F1B (the output head and the loss in the "
+        "last stage) over each pass's 2 microbatches of 1 sequence(s) per device" in one_f_one_b
+    )
+    assert (
+        "    return runtime.pipelined_loss(\n        first_stage_input,\n        decoder_layer,\n"
+        '        last_stage_losses,\n        outside,\n        params["layers"],\n        inputs,\n'
+        in one_f_one_b
+    )
+    assert "embed = runtime.vocab_parallel_take(" in one_f_one_b and "def target_losses(" not in one_f_one_b
+    assert "cross_entropy = weighted_loss(params, tokens, segment_ids, trained / " in one_f_one_b
     assert source.count("MICROBATCH, PARAMS, LOGICAL_AXIS_RULES)") == 1 and "MICROBATCH = 2\n" in source
     assert "runtime.pipeline(" not in build(spec_file(tmp_path, "plain", {"fsdp": 8}, 2), "cpu-8").source
     gpu = build(
@@ -269,6 +368,26 @@ def test_the_lowering_shows_the_stages_and_refuses_what_it_cannot_split(tmp_path
         (
             spec_file(tmp_path, "never", {"stage": 2, "fsdp": 4}, 2, None, -1),
             "MeshRule.pipeline_repeats=-1 must be > 0",
+        ),
+        (
+            spec_file(tmp_path, "once", {"stage": 2, "fsdp": 4}, 2, None, None, "circular"),
+            "MeshRule.pipeline_schedule='circular' (pattern 'cpu-8') with pipeline_repeats=1: only the circular "
+            "schedule goes round the stages more than once",
+        ),
+        (
+            spec_file(tmp_path, "twice", {"stage": 2, "fsdp": 4}, 2, None, 2, "1f1b"),
+            "MeshRule.pipeline_schedule='1f1b' (pattern 'cpu-8') with pipeline_repeats=2",
+        ),
+        (
+            spec_file(tmp_path, "typo", {"stage": 2, "fsdp": 4}, 2, None, None, "1F1B"),
+            "MeshRule.pipeline_schedule='1F1B' is not one of gpipe, circular, 1f1b",
+        ),
+        (
+            spec_file(
+                tmp_path, "dpo", {"stage": 2, "fsdp": 4}, 2, None, None, "1f1b", features="F.dpo(beta=0.1)"
+            ),
+            "pipeline_schedule='1f1b' computes the cross-entropy in the last stage, and this model trains with the "
+            "dpo objective; use the gpipe or circular schedule",
         ),
     ]
     for bad, message in cases:

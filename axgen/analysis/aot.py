@@ -95,6 +95,7 @@ class Report:
     eval_peak_bytes: int | None = None
     pipeline_microbatches: int | None = None  # each pass's, through the pipeline stages; None without stages
     pipeline_repeats: int = 1  # rounds of the stages each microbatch takes (circular schedule)
+    pipeline_schedule: str | None = None  # PIPELINE_SCHEDULES; None without stages
 
     @property
     def bubble(self) -> float | None:
@@ -109,7 +110,11 @@ class Report:
             f"  mesh {mesh}; per device, {self.grad_accum_steps} x {self.microbatch} sequences (microbatches x size)",
         ]
         if self.bubble is not None:
-            schedule = "GPipe" if self.pipeline_repeats == 1 else f"circular ({self.pipeline_repeats} rounds)"
+            schedule = {
+                "gpipe": "GPipe",
+                "1f1b": "1F1B",
+                "circular": f"circular ({self.pipeline_repeats} rounds)",
+            }[self.pipeline_schedule or ("circular" if self.pipeline_repeats > 1 else "gpipe")]
             lines.append(
                 f"  pipeline: {self.mesh['stage']} stages, {schedule} over each pass's {self.pipeline_microbatches} "
                 f"microbatches: each stage idles {self.bubble:.1%} of the step (the bubble); every device runs one "
@@ -273,6 +278,7 @@ def _compile_here(program_path: str, spec_path: str, target: str, rule: str) -> 
         microbatch=plan.microbatch,
         pipeline_microbatches=plan.pipeline_microbatches if plan.stages > 1 else None,
         pipeline_repeats=plan.pipeline_repeats,
+        pipeline_schedule=plan.pipeline_schedule if plan.stages > 1 else None,
         hbm_bytes=plan.chip.hbm_bytes,
         usable_bytes=plan.usable_bytes,
     )

@@ -151,6 +151,7 @@ class Plan:
     grad_accum_steps: int
     pipeline_microbatches: int  # each pass's, through the pipeline stages (where there are stages)
     pipeline_repeats: int  # rounds of the stages a microbatch takes: 1, GPipe; more, circular
+    pipeline_schedule: str  # PIPELINE_SCHEDULES: the rule's, else circular with rounds, else GPipe
     flags_variable: str
     xla_flags: tuple[str, ...]
     topology: str | None  # for ahead-of-time compilation; None: fake CPU devices with this mesh
@@ -239,6 +240,8 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
         grad_accum_steps=per_device_batch // microbatch,
         pipeline_microbatches=rule.pipeline_microbatches or microbatch,
         pipeline_repeats=rule.pipeline_repeats or 1,
+        pipeline_schedule=rule.pipeline_schedule
+        or ("circular" if (rule.pipeline_repeats or 1) > 1 else "gpipe"),
         flags_variable=family.flags_variable,
         xla_flags=family.xla_flags + _device_count_flags(family, per_slice * slices) + rule.xla_flags,
         topology=family.topology(per_slice) if family.topology else None,
@@ -315,7 +318,7 @@ def _check_stages(plan: Plan, spec: Model) -> None:
     """Pipeline stages split one stack of identical layers into runs of consecutive layers (runtime/stages.py)."""
     stages, rule = plan.stages, plan.rule
     if stages == 1:
-        for name in ("pipeline_microbatches", "pipeline_repeats"):
+        for name in ("pipeline_microbatches", "pipeline_repeats", "pipeline_schedule"):
             if getattr(rule, name) is not None:
                 raise SpecError(
                     f"{rule.origin}: MeshRule.{name}={getattr(rule, name)} (pattern {rule.pattern!r}) is for "
@@ -325,6 +328,12 @@ def _check_stages(plan: Plan, spec: Model) -> None:
     refused = stages_refused(spec, stages)
     if refused:
         raise SpecError(f"{rule.origin}: MeshRule.mesh stage={stages} (pattern {rule.pattern!r}) {refused}")
+    if (plan.pipeline_schedule == "circular") != (plan.pipeline_repeats > 1):
+        raise SpecError(
+            f"{rule.origin}: MeshRule.pipeline_schedule={plan.pipeline_schedule!r} (pattern {rule.pattern!r}) with "
+            f"pipeline_repeats={plan.pipeline_repeats}: only the circular schedule goes round the stages more than "
+            "once; give it pipeline_repeats >= 2, or the others none"
+        )
     refused = runs_refused(spec, stages, plan.pipeline_repeats)
     if refused:
         raise SpecError(

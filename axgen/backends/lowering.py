@@ -305,11 +305,12 @@ def scan_grouping(g: Graph, plan: Plan) -> None:
 
 def pipeline(g: Graph, plan: Plan) -> None:
     """Where the mesh splits the stacked layers into pipeline stages (the rules give `layers` the `stage` axis):
-    the decoder's scan runs as `stages` stages of consecutive steps (GPipe), or of `stage_repeats` runs of them
-    each that the microbatches go round (circular), over each pass's microbatches of `stage_microbatch` sequences
-    per device (runtime.pipeline), with why. The train step and the evaluation take their passes as without
-    stages."""
-    stages, repeats = plan.stages, plan.pipeline_repeats
+    the decoder's scan runs as `stages` stages of consecutive steps (GPipe, or 1F1B with the output head and the
+    loss in the last stage), or of `stage_repeats` runs of them each that the microbatches go round (circular),
+    over each pass's microbatches of `stage_microbatch` sequences per device (runtime.pipeline,
+    runtime.pipelined_loss), with why. The train step and the evaluation take their passes as without stages.
+    """
+    stages, repeats, schedule_name = plan.stages, plan.pipeline_repeats, plan.pipeline_schedule
     if stages == 1:
         return
     (scan,) = g.nodes(op="scan")
@@ -319,19 +320,52 @@ def pipeline(g: Graph, plan: Plan) -> None:
             f"{scan.attrs.steps} steps of {scan} (groups of {scan.attrs.calls[0].per_step} layers) into runs of "
             "whole steps"
         )
+    if schedule_name == "1f1b":
+        (head,) = g.nodes(op="lm_head")
+        # The last stage computes the loss of a microbatch as it leaves: one cross-entropy, nothing beside it.
+        beside = [
+            what
+            for what, present in [
+                ("auxiliary losses", scan.attrs.returns_aux),
+                (f"the {head.attrs.objective} objective", head.attrs.objective),
+                ("the quantized output head's unfused loss", head.attrs.loss != "fused"),
+                ("adapter dropout", any(n.attrs.lora_dropout for n in g.nodes(op="linear"))),
+            ]
+            if present
+        ]
+        if beside:
+            raise GraphError(
+                f"{plan.rule.provenance}: pipeline_schedule='1f1b' computes the cross-entropy in the last stage, "
+                f"and this model trains with {' and '.join(beside)}; use the gpipe or circular schedule"
+            )
+        (embed,) = g.nodes(op="embed")
+        g.update(
+            embed,
+            lookup="vocab_parallel",
+            lookup_why="each device looks up its own rows of the table: XLA cannot partition the gather inside the "
+            "1F1B stages (runtime.vocab_parallel_take)",
+        )
     per_run = scan.attrs.steps // (stages * repeats) * sum(call.per_step for call in scan.attrs.calls)
     size = plan.microbatch // plan.pipeline_microbatches
-    schedule = (
-        f"{stages} stages of {per_run} layers on the mesh's stage axis, GPipe"
-        if repeats == 1
-        else f"{stages} stages of {repeats} runs of {per_run} layers on the mesh's stage axis (stage s: runs s, "
-        f"s + {stages}, ...), circular, {repeats} rounds"
-    )
+    schedule = {
+        "gpipe": f"{stages} stages of {per_run} layers on the mesh's stage axis, GPipe",
+        "1f1b": f"{stages} stages of {per_run} layers on the mesh's stage axis, 1F1B (the output head and the loss "
+        "in the last stage)",
+        "circular": f"{stages} stages of {repeats} runs of {per_run} layers on the mesh's stage axis (stage s: runs "
+        f"s, s + {stages}, ...), circular, {repeats} rounds",
+    }[schedule_name]
     why = (
         f"{schedule} over each pass's {plan.pipeline_microbatches} microbatches of {size} sequence(s) per device "
         f"({plan.rule.provenance})"
     )
-    g.update(scan, stages=stages, stage_repeats=repeats, stage_microbatch=size, pipeline=why)
+    g.update(
+        scan,
+        stages=stages,
+        stage_schedule=schedule_name,
+        stage_repeats=repeats,
+        stage_microbatch=size,
+        pipeline=why,
+    )
 
 
 # The float32 logits of one chunk of the fused loss per device, at most (where the sequence halves that far), as
@@ -503,9 +537,9 @@ STEPS: tuple[Callable[[Graph, Plan], None], ...] = (
     stack_cast,
     remat,
     scan_grouping,
-    pipeline,
     aux_losses,
     loss,
+    pipeline,  # after the loss: 1F1B takes the fused loss into the last stage
     kernel_switches,
     config,
     summary,

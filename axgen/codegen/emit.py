@@ -291,7 +291,42 @@ def _fused_loss(env, graph: Graph) -> dict:
         },
         "trunk_lines": _lines(env, graph, "main", param_root="params", nodes=nodes[:split]),
         "head_lines": _lines(env, graph, "main", param_root="params", nodes=nodes[split:]),
+        "pipelined": _pipelined(env, graph, nodes[:split]),
     }
+
+
+def _pipelined(env, graph: Graph, trunk: list[Node]) -> dict | None:
+    """Where the scan's stages run 1F1B (runtime.pipelined_loss), the trunk cut around the scan: what makes its
+    input from a microbatch's tokens (`first_lines`), what else the scan takes (`input_lines`: positions, segment
+    ids), and what follows it up to the head (`last_lines`); else None."""
+    scans = [n for n in trunk if n.op == "scan" and n.attrs.stage_schedule == "1f1b"]
+    if not scans:
+        return None
+    (scan,) = scans
+    at = trunk.index(scan)
+    before = [n for n in trunk[:at] if n.op != "input"]
+    feeding = _ancestors(graph, graph.inputs(scan)["x"])
+    args = {slot: node.name for slot, node in graph.inputs(scan).items()}
+    return {
+        "scan": scan.attrs,
+        "args": args,
+        "output": scan.name,
+        "xs": _scan_xs(scan, "params"),
+        "blocks": scan.attrs.blocks,
+        "first_lines": _lines(env, graph, "main", "params", [n for n in before if n.name in feeding]),
+        "input_lines": _lines(env, graph, "main", "params", [n for n in before if n.name not in feeding]),
+        "last_lines": _lines(env, graph, "main", "params", trunk[at + 1 :]),
+    }
+
+
+def _ancestors(graph: Graph, node: Node) -> set[str]:
+    """The names of a node and of every node it is computed from."""
+    names, todo = set(), [node]
+    while todo:
+        node = todo.pop()
+        names.add(node.name)
+        todo += graph.inputs(node).values()
+    return names
 
 
 def _lines(env, graph: Graph, region: str, param_root: str, nodes: list[Node] | None = None) -> list[str]:

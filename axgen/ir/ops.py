@@ -112,6 +112,15 @@ class AttentionAttrs(Attrs):
 
 
 @dataclass(frozen=True, kw_only=True)
+class EmbedAttrs(Attrs):
+    """`lookup` is the lowering's: "vocab_parallel" where each device looks up its own rows of a table whose
+    vocabulary is split (runtime.vocab_parallel_take), with why; None, the plain gather."""
+
+    lookup: str | None = None
+    lookup_why: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class ContextOrderAttrs(Attrs):
     """The lowering's, where the mesh splits each sequence over `shards` context shards (runtime/context.py):
     `to="context"` puts a [batch, seq, ...] input into context order (shard i holds the chunks i and
@@ -146,10 +155,11 @@ class ScanAttrs(Attrs):
     function: str | None = None
     calls: tuple[ScanCall, ...] = ()
     returns_aux: bool = False
-    # Pipeline stages (the lowering's `pipeline` step): how many, the times each microbatch goes round them (1:
-    # GPipe; more: circular), the sequences per device of each microbatch they take in turn, and the program's
-    # comment on them.
+    # Pipeline stages (the lowering's `pipeline` step): how many, their schedule (PIPELINE_SCHEDULES), the times
+    # each microbatch goes round them (1: GPipe or 1F1B; more: circular), the sequences per device of each
+    # microbatch they take in turn, and the program's comment on them.
     stages: int = 1
+    stage_schedule: str | None = None
     stage_repeats: int = 1
     stage_microbatch: int | None = None
     pipeline: str | None = None
@@ -312,7 +322,7 @@ def register_op(
 
 register_op("input", (), _input, "embed", InputAttrs)
 register_op("positions", ("tokens", "segment_ids"), _positions, "embed")
-register_op("embed", ("tokens",), _embed, "embed")
+register_op("embed", ("tokens",), _embed, "embed", EmbedAttrs)
 register_op("rms_norm", ("x",), _norm, "norm", NormAttrs)
 register_op("layer_norm", ("x",), _norm, "norm", NormAttrs)
 register_op("linear", ("x",), _linear, "linear", DotAttrs, _dot_flops)

@@ -46,6 +46,7 @@ _HOMES = {
     "moe_with_capacity": "moe",
     "param_shardings": "sharding",
     "pipeline": "stages",
+    "pipelined_loss": "stages",
     "rope": "rotary",
     "rope_frequencies": "rotary",
     "route": "moe",
@@ -58,6 +59,7 @@ _HOMES = {
     "trained_targets": "losses",
     "varying_axes": "sharding",
     "varying_over": "sharding",
+    "vocab_parallel_take": "sharding",
     "with_layer_keys": "dropout",
 }
 

@@ -23,7 +23,11 @@ def cross_entropy(logits, labels):
 def _losses(logits, labels):
     x = logits.astype(jnp.float32)
     log_norm = jax.nn.logsumexp(x, axis=-1)
-    return log_norm - jnp.take_along_axis(x, labels[..., None], axis=-1)[..., 0], log_norm
+    # The label's logit by a one-hot sum rather than a gather: exact (the other terms are zeros), and XLA's
+    # partitioner fails (a check in spmd_partitioner_util.cc, jax 0.12.0.1) on a gather along a vocabulary split
+    # over devices inside pipeline stages (runtime.pipelined_loss) on a mesh of three axes or more.
+    is_label = labels[..., None] == jnp.arange(x.shape[-1])
+    return log_norm - jnp.sum(jnp.where(is_label, x, 0), axis=-1), log_norm
 
 
 def _forward(logits, labels):

@@ -3,6 +3,7 @@
 import math
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -84,3 +85,27 @@ def varying_over(x, axes):
     if not missing:
         return x
     return jax.lax.pcast(x, missing, to="varying") if hasattr(jax.lax, "pcast") else jax.lax.pvary(x, missing)
+
+
+def vocab_parallel_take(table, tokens, rules: dict):
+    """jnp.take(table, tokens, axis=0) for an embedding table [vocab, embed] whose vocabulary the rules split over
+    devices, each device looking up the tokens in its own rows and the devices summing (Megatron's vocabulary-
+    parallel embedding): where pipeline stages run in a shard_map manual over the stage axis, XLA's partitioner
+    fails on the gather along the split vocabulary with two more mesh axes (jax 0.12.0.1, a check in
+    spmd_partitioner_util.cc). Elsewhere, or with the vocabulary whole, the plain gather."""
+    mesh = jax.sharding.get_abstract_mesh()
+    axes = (
+        () if mesh.empty else mesh_axes(logical_to_mesh(rules, ("vocab", None), table.shape, mesh.shape)[0])
+    )
+    if not axes:
+        return jnp.take(table, tokens, axis=0)
+
+    def own_rows(table, tokens):
+        start = jax.lax.axis_index(axes) * table.shape[0]
+        here = (tokens >= start) & (tokens < start + table.shape[0])
+        rows = jnp.take(table, jnp.where(here, tokens - start, 0), axis=0)
+        return jax.lax.psum(jnp.where(here[..., None], rows, 0), axes)
+
+    return jax.shard_map(
+        own_rows, mesh=mesh, in_specs=(P(axes), P()), out_specs=P(), axis_names=set(axes), check_vma=False
+    )(table, tokens)

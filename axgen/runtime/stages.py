@@ -2,6 +2,8 @@
 each device running its own stage's layers on one microbatch while the others run theirs on theirs: GPipe, or a
 circular schedule whose microbatches go round the stages several times."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -141,3 +143,192 @@ def bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
     """
     iterations = schedule(stages, microbatches, repeats)[1]
     return (iterations - repeats * microbatches) / iterations
+
+
+def pipelined_loss(
+    first_fn, step_fn, last_fn, params, stacked, inputs, *, stages: int, microbatch: int, rules: dict
+):
+    """The sum over a pass's targets of their losses times `inputs["weights"]`, each microbatch's backward run
+    through the stages as soon as its forward has left the last one (1F1B): no stage keeps more than 2 stages - 1
+    microbatches' residuals, and nothing is recomputed that the layers' remat policy saves.
+
+    `params` are the params outside the stack (the embedding, the final norm, the head), whole on every stage;
+    `stacked` [steps, ...] the layers', split into `stages` runs of consecutive steps as in `pipeline`. `inputs`
+    holds [rows, seq] arrays, among them "positions", "segment_ids" and "weights", cut into microbatches of
+    `microbatch` rows a device as `pipeline` cuts them. For each microbatch `mb` (a dict of its rows of each input):
+    `first_fn(params, mb)` -> the first step's input x [rows, seq, embed]; `step_fn(x, p, positions, segment_ids)`
+    -> x, one step of the stack; `last_fn(params, x, mb)` -> the targets' losses [rows, seq] in float32.
+
+    The schedule is lockstep: at tick t stage s runs the forward of microbatch t - s and the backward of microbatch
+    t - 2 (stages - 1) + s, so the last stage runs a microbatch's loss and its backward in the tick of its forward,
+    and each stage hands its output on to the next stage and its input's gradient back to the one before (two
+    collective permutes over the stage axis a tick). The first stages - 1 ticks run forwards only, the last
+    stages - 1 backwards only: a stage idles (stages - 1) / (microbatches + stages - 1) of the pass, GPipe's bubble.
+    Stage s keeps a microbatch's residuals (what `jax.vjp` of its steps holds, less the params) for 2 (stages - 1 -
+    s) + 1 ticks, in a ring of 2 stages - 1 slots. So the gradients are made in the forward pass: a custom_vjp hands
+    them to `jax.grad` of the program's loss, scaled by its cotangent."""
+    count = traced_accumulation_steps(inputs["weights"].shape[0], microbatch, rules)
+    mesh = jax.sharding.get_abstract_mesh()
+    stage_axes = () if mesh.empty else tuple(a for a in rules.get("layers", ()) if mesh.shape.get(a, 1) > 1)
+    axis = stage_axes or "stages"
+    microbatches = jax.tree.map(lambda a: a.reshape(-1, count, *a.shape[1:]).swapaxes(0, 1), inputs)
+    staged = jax.tree.map(lambda w: w.reshape(stages, -1, *w.shape[1:]), stacked)
+    schedule = functools.partial(_one_f_one_b, first_fn, step_fn, last_fn, stages, count, axis)
+
+    def run(gradients, params, staged, microbatches):
+        if not stage_axes:  # one device, or stages the mesh does not split: every stage there
+            out_axes = (None, (None, 0, None)) if gradients else None
+            own = jax.vmap(
+                lambda w: schedule(gradients, params, w, microbatches), axis_name=axis, out_axes=out_axes
+            )
+            out = own(staged)
+            return (
+                (out[0], (out[1][0], jax.tree.map(lambda g: g[:, 0], out[1][1]), out[1][2]))
+                if gradients
+                else out
+            )
+        # Each device runs its own stage: a shard_map manual over the stage axes alone (the steps' own shardings
+        # over the other axes stay automatic, so the chip kernels run as outside the stages).
+        out_specs = (P(), (P(), P(stage_axes), P())) if gradients else P()
+        return jax.shard_map(
+            lambda p, w, mb: schedule(gradients, p, jax.tree.map(lambda a: a[0], w), mb),
+            mesh=mesh,
+            in_specs=(P(), P(stage_axes), P()),
+            out_specs=out_specs,
+            axis_names=set(stage_axes),
+            check_vma=False,
+        )(params, staged, microbatches)
+
+    @jax.custom_vjp
+    def weighted(params, staged, microbatches):
+        return run(False, params, staged, microbatches)
+
+    def forward(params, staged, microbatches):
+        return run(True, params, staged, microbatches)
+
+    def backward(grads, cotangent):
+        params_grad, staged_grad, losses = grads
+        scaled = jax.tree.map(lambda g: (g * cotangent).astype(g.dtype), (params_grad, staged_grad))
+        # Of the inputs, only the weights are ones a loss is differentiable by: their gradient is each target's loss.
+        inputs_grad = {k: losses * cotangent if k == "weights" else None for k in microbatches}
+        return (*scaled, inputs_grad)
+
+    weighted.defvjp(forward, backward)
+    return weighted(params, staged, microbatches)
+
+
+def _one_f_one_b(first_fn, step_fn, last_fn, stages, count, axis, gradients, params, own, microbatches):
+    """One stage's part of `pipelined_loss` (its `own` steps [steps / stages, ...]), run on each device of the stage
+    axis `axis` (or vmapped over it): the summed weighted loss, and with `gradients`, (the params' gradient and
+    each target's loss, summed over the stages; the own steps' gradient [1, ...])."""
+    stage = jax.lax.axis_index(axis)
+    first, last = stage == 0, stage == stages - 1
+    slots = 2 * stages - 1
+
+    def of(m):  # microbatch m's inputs; a tick outside the pass (the bubble) runs a clipped one and drops it
+        return jax.tree.map(
+            lambda a: jax.lax.dynamic_index_in_dim(a, jnp.clip(m, 0, count - 1), keepdims=False), microbatches
+        )
+
+    def steps(x, params, own, mb):  # stage 0 starts from the microbatch's first_fn, the others from what came
+        x = jnp.where(first, first_fn(params, mb), x)
+        return jax.lax.scan(lambda x, p: (step_fn(x, p, mb["positions"], mb["segment_ids"]), None), x, own)[0]
+
+    def loss_of(params, y, mb):
+        losses = last_fn(params, y, mb)
+        return jnp.sum(losses * mb["weights"]), losses
+
+    def pullback(x, params, own, mb):
+        return jax.vjp(lambda x, params, own: steps(x, params, own, mb), x, params, own)
+
+    def only_last(valid, fn, *args):  # fn(*args) on the last stage in a tick of the pass, zeros elsewhere
+        zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *args))
+        return jax.lax.cond(last & valid, fn, lambda *_: zeros, *args)
+
+    shape = jax.eval_shape(first_fn, params, of(0))
+    x = jnp.zeros(
+        shape.shape, shape.dtype
+    )  # what stage 0 receives, and every stage before its first microbatch
+    # Whole cycles (vmap's ppermute takes no other): stage 0 ignores what the last stage sends it, the last stage
+    # the gradient stage 0 sends it.
+    forward_to_next = [(s, (s + 1) % stages) for s in range(stages)]
+    backward_to_previous = [((s + 1) % stages, s) for s in range(stages)]
+
+    if not gradients:
+
+        def tick(carry, t):
+            x, loss = carry
+            mb = of(t - stage)
+            y = steps(x, params, own, mb)
+            loss += only_last((t - stage >= 0) & (t - stage < count), lambda y: loss_of(params, y, mb)[0], y)
+            return (jax.lax.ppermute(y, axis, forward_to_next), loss), None
+
+        loss = jax.lax.scan(tick, (x, jnp.zeros((), jnp.float32)), jnp.arange(count + stages - 1))[0][1]
+        return jax.lax.psum(loss, axis)
+
+    # What a microbatch's pullback holds: its params are this tick's, so the ring keeps only the rest.
+    layout = {}
+
+    def kept(x, params, own, mb):
+        leaves, layout["tree"] = jax.tree.flatten(pullback(x, params, own, mb)[1])
+        known = jax.tree.leaves((params, own))
+        layout["params"] = [next((j for j, p in enumerate(known) if leaf is p), None) for leaf in leaves]
+        return [leaf for leaf, j in zip(leaves, layout["params"]) if j is None]
+
+    ring = [jnp.zeros((slots, *s.shape), s.dtype) for s in jax.eval_shape(kept, x, params, own, of(0))]
+
+    def tick(carry, t, forward, backward):
+        x, dy, ring, (loss, params_grad, own_grad, losses) = carry
+        m_forward, m_backward = t - stage, t - 2 * (stages - 1) + stage
+        if forward:
+            mb = of(m_forward)
+            y, made = pullback(x, params, own, mb)
+            made = [leaf for leaf, j in zip(jax.tree.leaves(made), layout["params"]) if j is None]
+            ring = [
+                jax.lax.dynamic_update_index_in_dim(r, m, m_forward % slots, 0) for r, m in zip(ring, made)
+            ]
+
+            def loss_and_cotangent(y):
+                (value, mb_losses), grads = jax.value_and_grad(
+                    lambda y, p: loss_of(p, y, mb), (0, 1), has_aux=True
+                )(y, params)
+                return value, mb_losses, grads
+
+            valid = (m_forward >= 0) & (m_forward < count)
+            value, mb_losses, (dy_last, head_grad) = only_last(valid, loss_and_cotangent, y)
+            loss += value
+            params_grad = jax.tree.map(jnp.add, params_grad, head_grad)
+            at = jnp.clip(m_forward, 0, count - 1)
+            losses = jax.lax.dynamic_update_index_in_dim(
+                losses, jax.lax.dynamic_index_in_dim(losses, at, keepdims=False) + mb_losses, at, 0
+            )
+            dy = jnp.where(last, dy_last, dy)  # the last stage's backward starts from its own loss
+        if backward:
+            known, stored = jax.tree.leaves((params, own)), iter(
+                jax.lax.dynamic_index_in_dim(r, m_backward % slots, keepdims=False) for r in ring
+            )
+            held = layout["tree"].unflatten(
+                [next(stored) if j is None else known[j] for j in layout["params"]]
+            )
+            dx, step_params_grad, step_own_grad = held(dy)
+            valid = (m_backward >= 0) & (m_backward < count)
+            params_grad = jax.tree.map(lambda a, g: a + jnp.where(valid, g, 0), params_grad, step_params_grad)
+            own_grad = jax.tree.map(lambda a, g: a + jnp.where(valid, g, 0), own_grad, step_own_grad)
+            dy = jax.lax.ppermute(dx, axis, backward_to_previous)
+        if forward:
+            x = jax.lax.ppermute(y, axis, forward_to_next)
+        return (x, dy, ring, (loss, params_grad, own_grad, losses)), None
+
+    zeros = functools.partial(jax.tree.map, jnp.zeros_like)
+    losses = jnp.zeros(microbatches["weights"].shape, jnp.float32)
+    carry = (x, x, ring, (jnp.zeros((), jnp.float32), zeros(params), zeros(own), losses))
+    for forward, backward, ticks in [
+        (True, False, range(stages - 1)),
+        (True, True, range(stages - 1, count + stages - 1)),
+        (False, True, range(count + stages - 1, count + 2 * (stages - 1))),
+    ]:
+        body = functools.partial(tick, forward=forward, backward=backward)
+        carry = jax.lax.scan(body, carry, jnp.arange(ticks.start, ticks.stop))[0]
+    loss, params_grad, own_grad, losses = carry[3]
+    summed = jax.lax.psum((loss, params_grad, losses), axis)
+    return summed[0], (summed[1], jax.tree.map(lambda g: g[None], own_grad), summed[2])

@@ -20,6 +20,10 @@ ATTENTION_KERNELS = ("xla", "splash", "cudnn")
 # every device (all_gather), or each copy only to its expert's device and back (all_to_all: the backend picks the
 # collective, ragged where the chip's compiler has one).
 MOE_DISPATCHES = ("all_gather", "all_to_all")
+# How a pass's microbatches go through pipeline stages (runtime/stages.py): every forward then every backward, once
+# round the stages (GPipe) or several times (circular); or each microbatch's backward as soon as its forward has
+# left the last stage (1F1B).
+PIPELINE_SCHEDULES = ("gpipe", "circular", "1f1b")
 # When each stacked block's params (stored float32) become the compute dtype, and why that way (MeshRule.stack_cast).
 STACK_CASTS = {
     "per_layer": (
@@ -48,7 +52,11 @@ class MeshRule(SpecNode):
     sends each microbatch round the stages that many times (the circular schedule; default 1: GPipe, one run of
     consecutive layers a stage); the stages idle (stages - 1) / (repeats x pipeline_microbatches + stages - 1) of a
     pass (with at least as many microbatches as stages), and a stage keeps repeats times as many inputs, each of a
-    run repeats times shorter. `attention_block` is the query and key/value block length of the splash attention
+    run repeats times shorter. `pipeline_schedule` (PIPELINE_SCHEDULES; default circular where pipeline_repeats
+    is over 1, else GPipe) "1f1b" runs each microbatch's backward as soon as its forward has left the last stage,
+    the output head and the loss being the last stage's: a stage keeps at most 2 stages - 1 microbatches'
+    residuals, whatever the pass's microbatches, and no layer's forward runs twice; the bubble is GPipe's.
+    `attention_block` is the query and key/value block length of the splash attention
     kernel. `memory_fraction` is the share of each device's memory the program's allocator takes (GPU), and what
     `axgen aot` checks the peak against. `moe_dispatch` is how a dropless MoE whose experts are split over devices
     moves its token copies (MOE_DISPATCHES).
@@ -77,6 +85,7 @@ class MeshRule(SpecNode):
     microbatch: int | None = None
     pipeline_microbatches: int | None = None
     pipeline_repeats: int | None = None
+    pipeline_schedule: str | None = None
     remat: Remat | None = None
     quantize_dtype: str | None = None
     memory_fraction: float | None = None
@@ -105,6 +114,7 @@ class MeshRule(SpecNode):
             ("attention", ATTENTION_KERNELS),
             ("quantize_dtype", QUANTIZE_DTYPES),
             ("moe_dispatch", MOE_DISPATCHES),
+            ("pipeline_schedule", PIPELINE_SCHEDULES),
             ("stack_cast", STACK_CASTS),
         ):
             value = getattr(self, name)
