@@ -48,6 +48,7 @@ def spec_file(
     features="",
     layers=4,
     target="cpu-8",
+    shard_residual=None,
 ):
     """A tiny spec of `layers` layers on `mesh` for `target`, with `features` added to its own."""
     path = tmp_path / f"{name}.py"
@@ -57,7 +58,8 @@ def spec_file(
         f"tiny = tiny.replace(decoder=tiny.decoder.replace(num_layers={layers}))\n"
         f"rule = MeshRule({target!r}, {mesh!r}, why='pipeline stages under test', "
         f"microbatch={microbatch}, pipeline_microbatches={pipeline_microbatches}, "
-        f"pipeline_repeats={pipeline_repeats}, pipeline_schedule={pipeline_schedule!r})\n"
+        f"pipeline_repeats={pipeline_repeats}, pipeline_schedule={pipeline_schedule!r}, "
+        f"shard_residual={shard_residual})\n"
         f"spec = tiny.replace(mesh_rules=[rule], features=[*tiny.features, {features}], targets=[{target!r}])\n"
     )
     return path
@@ -207,13 +209,15 @@ def test_1f1b_stages_give_the_loss_and_gradients_of_the_plain_model():
 def stage_programs(tmp_path_factory):
     """llama_tiny in passes of 2 sequences a device on stage=2 x fsdp=2 x model=2, circular (each pass 2
     microbatches of 1 sequence, the default, going round the 2 stages twice: stage 0 holds layers 0 and 2) and
-    1F1B, and in passes of 4 on stage=4 x model=2 with GPipe (2 microbatches of 2 sequences, fewer than the
-    stages)."""
+    1F1B; in passes of 4 on stage=2 x context=2 x model=2 with 1F1B (4 microbatches of 1 sequence, each device
+    holding its context shard); and in passes of 4 on stage=4 x model=2 with GPipe (2 microbatches of 2
+    sequences, fewer than the stages)."""
     tmp_path = tmp_path_factory.mktemp("stages")
     programs = {}
     for name, mesh, passes in [
         ("stage=2 circular", {"stage": 2, "fsdp": 2, "model": 2}, (2, None, 2)),
         ("stage=2 1F1B", {"stage": 2, "fsdp": 2, "model": 2}, (2, None, None, "1f1b")),
+        ("stage=2 x context=2 1F1B", {"stage": 2, "context": 2, "model": 2}, (4, None, None, "1f1b")),
         ("stage=4 GPipe", {"stage": 4, "model": 2}, (4, 2)),
     ]:
         out = tmp_path / f"{name.replace('=', '_').replace(' ', '_')}.py"
@@ -223,12 +227,12 @@ def stage_programs(tmp_path_factory):
 
 
 def test_stage_2_and_4_train_as_one_stage_does(stage_programs):
-    """The loss and every gradient of a step of 8 sequences on stage=2 (circular, and 1F1B) and on stage=4 (GPipe)
-    equal one stage's within float32 noise, each taking the batch in 2 passes whose rows are those one device's 2
+    """The loss and every gradient of a step of 8 sequences on stage=2 (circular; 1F1B, and 1F1B with each
+    sequence split over context=2) and on stage=4 (GPipe) equal one stage's within float32 noise, each taking the batch in 2 passes whose rows are those one device's 2
     passes take (runtime.gradients): with one document a row, and with documents packed into the rows, padding
     and a loss mask (the passes then count different targets, and the step's loss is the mean of the passes'
     means). Gradients within 2e-6 of their largest magnitude: sums over the sharded passes round in another order
-    (one element of 32,768 is 1.1e-6 off on stage=2). The 1F1B program's evaluation (its pipeline's forwards
+    (one element of 32,768 is 1.1e-6 off on stage=2). The 1F1B programs' evaluation (their pipeline's forwards
     alone) sums the same losses."""
     one_stage = load_program(ROOT / "generated/llama_tiny/cpu_8.py")
     params = Program.from_module(one_stage).init_params(jax.random.key(0))
@@ -250,6 +254,7 @@ def test_stage_2_and_4_train_as_one_stage_does(stage_programs):
         return float(loss), grads
 
     expected = {"rows alone": reference(rows_alone), "packed": reference(packed)}
+    expected_sums = one_stage.eval_step(params, *packed)
     for name, module in stage_programs.items():
         program = Program.from_module(module)
         mesh = program.make_mesh()
@@ -268,13 +273,14 @@ def test_stage_2_and_4_train_as_one_stage_does(stage_programs):
             got = {"rows alone": step(placed, batch=rows_alone), "packed": step(placed, batch=packed)}
             if "1F1B" in name:
                 sums = jax.jit(module.eval_step)(placed["params"], *packed)
+                np.testing.assert_allclose(
+                    sums["loss_sum"], expected_sums["loss_sum"], rtol=1e-6, err_msg=name
+                )
+                assert sums["targets"] == expected_sums["targets"] == 886
         for batch, ((loss, _), grads) in got.items():
             expected_loss, expected_grads = expected[batch]
             np.testing.assert_allclose(float(loss), expected_loss, rtol=1e-6, err_msg=f"{name} {batch}")
             assert_gradients_close(grads, expected_grads, 2e-6, f"{name} {batch}")
-    expected_sums = one_stage.eval_step(params, *packed)
-    np.testing.assert_allclose(sums["loss_sum"], expected_sums["loss_sum"], rtol=1e-6)
-    assert sums["targets"] == expected_sums["targets"] == 886
 
 
 def test_the_lowering_shows_the_stages_and_refuses_what_it_cannot_split(tmp_path, capsys):
@@ -389,10 +395,27 @@ def test_the_lowering_shows_the_stages_and_refuses_what_it_cannot_split(tmp_path
             "pipeline_schedule='1f1b' computes the cross-entropy in the last stage, and this model trains with the "
             "dpo objective; use the gpipe or circular schedule",
         ),
+        (
+            spec_file(
+                tmp_path,
+                "odd",
+                {"stage": 3, "context": 2, "model": 8},
+                2,
+                None,
+                None,
+                "1f1b",
+                layers=6,
+                target="gpu-h100-48",
+                shard_residual=True,
+            ),
+            "MeshRule.mesh stage=3 (pattern 'gpu-h100-48') with context=2 and shard_residual: XLA's partitioner "
+            "aborts where the stages are not a power of two",
+            "gpu-h100-48",
+        ),
     ]
-    for bad, message in cases:
+    for bad, message, *target in cases:
         out = tmp_path / "out.py"
-        assert axgen(["build", str(bad), "--target", "cpu-8", "--out", str(out)]) == 2
+        assert axgen(["build", str(bad), "--target", *(target or ["cpu-8"]), "--out", str(out)]) == 2
         err = capsys.readouterr().err
         assert message in err and len(err.strip().splitlines()) == 1, err
         assert not out.exists()

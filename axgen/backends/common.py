@@ -334,6 +334,14 @@ def _check_stages(plan: Plan, spec: Model) -> None:
             f"pipeline_repeats={plan.pipeline_repeats}: only the circular schedule goes round the stages more than "
             "once; give it pipeline_repeats >= 2, or the others none"
         )
+    context = dict(plan.mesh)["context"]
+    if context > 1 and plan.shard_residual and stages & (stages - 1):
+        # Compiled for H100s: stage=2, 4 and 8 compile; 3, 6, 42 and 63 abort in the partitioner (GPipe and 1F1B).
+        raise SpecError(
+            f"{rule.origin}: MeshRule.mesh stage={stages} (pattern {rule.pattern!r}) with context={context} and "
+            "shard_residual: XLA's partitioner aborts where the stages are not a power of two (jax 0.12.0.1, a "
+            "check in mesh_and_axis.cc or named_sharding.cc); use 2, 4, 8, ... stages, or drop shard_residual"
+        )
     refused = runs_refused(spec, stages, plan.pipeline_repeats)
     if refused:
         raise SpecError(

@@ -338,6 +338,12 @@ def pipeline(g: Graph, plan: Plan) -> None:
                 f"{plan.rule.provenance}: pipeline_schedule='1f1b' computes the cross-entropy in the last stage, "
                 f"and this model trains with {' and '.join(beside)}; use the gpipe or circular schedule"
             )
+        context = dict(plan.mesh)["context"]
+        if context > 1 and any(n.attrs.kernel == "splash" for n in g.nodes(op="attention")):
+            raise GraphError(
+                f"{plan.rule.provenance}: pipeline_schedule='1f1b' with context={context} runs attention on each "
+                "device's context shard, which splash attention does not do there yet; use attention='xla'"
+            )
         (embed,) = g.nodes(op="embed")
         g.update(
             embed,

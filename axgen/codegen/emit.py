@@ -277,7 +277,7 @@ def _fused_loss(env, graph: Graph) -> dict:
     (`fused_loss`); else `fused_loss` is None."""
     (head,) = graph.nodes(op="lm_head")
     if head.attrs.loss != "fused":
-        return {"fused_loss": None}
+        return {"fused_loss": None, "pipelined": None}
     nodes = list(graph.nodes(region="main"))
     split = nodes.index(head)
     return {

@@ -170,10 +170,13 @@ def pipelined_loss(
     count = traced_accumulation_steps(inputs["weights"].shape[0], microbatch, rules)
     mesh = jax.sharding.get_abstract_mesh()
     stage_axes = () if mesh.empty else tuple(a for a in rules.get("layers", ()) if mesh.shape.get(a, 1) > 1)
+    context_axes = (
+        () if not stage_axes else tuple(a for a in rules.get("seq", ()) if mesh.shape.get(a, 1) > 1)
+    )
     axis = stage_axes or "stages"
     microbatches = jax.tree.map(lambda a: a.reshape(-1, count, *a.shape[1:]).swapaxes(0, 1), inputs)
     staged = jax.tree.map(lambda w: w.reshape(stages, -1, *w.shape[1:]), stacked)
-    schedule = functools.partial(_one_f_one_b, first_fn, step_fn, last_fn, stages, count, axis)
+    schedule = functools.partial(_one_f_one_b, first_fn, step_fn, last_fn, stages, count, axis, context_axes)
 
     def run(gradients, params, staged, microbatches):
         if not stage_axes:  # one device, or stages the mesh does not split: every stage there
@@ -187,15 +190,18 @@ def pipelined_loss(
                 if gradients
                 else out
             )
-        # Each device runs its own stage: a shard_map manual over the stage axes alone (the steps' own shardings
-        # over the other axes stay automatic, so the chip kernels run as outside the stages).
-        out_specs = (P(), (P(), P(stage_axes), P())) if gradients else P()
+        # Each device runs its own stage: a shard_map manual over the stage axes (the steps' own shardings over the
+        # other axes stay automatic, so the chip kernels run as outside the stages) and over the context axes, so
+        # that each device sums its own tokens' weight gradients over the pass and the context shards add them up
+        # once, after it (automatic, XLA would reduce them across the shards' hosts every tick).
+        tokens = P(None, None, context_axes)  # [microbatches, rows, seq]: each device its context shard
+        out_specs = (P(), (P(), P(stage_axes), tokens)) if gradients else P()
         return jax.shard_map(
             lambda p, w, mb: schedule(gradients, p, jax.tree.map(lambda a: a[0], w), mb),
             mesh=mesh,
-            in_specs=(P(), P(stage_axes), P()),
+            in_specs=(P(), P(stage_axes), tokens),
             out_specs=out_specs,
-            axis_names=set(stage_axes),
+            axis_names={*stage_axes, *context_axes},
             check_vma=False,
         )(params, staged, microbatches)
 
@@ -217,10 +223,13 @@ def pipelined_loss(
     return weighted(params, staged, microbatches)
 
 
-def _one_f_one_b(first_fn, step_fn, last_fn, stages, count, axis, gradients, params, own, microbatches):
+def _one_f_one_b(
+    first_fn, step_fn, last_fn, stages, count, axis, context_axes, gradients, params, own, microbatches
+):
     """One stage's part of `pipelined_loss` (its `own` steps [steps / stages, ...]), run on each device of the stage
-    axis `axis` (or vmapped over it): the summed weighted loss, and with `gradients`, (the params' gradient and
-    each target's loss, summed over the stages; the own steps' gradient [1, ...])."""
+    axis `axis` (or vmapped over it), on its context shard of the tokens where `context_axes` split them: the
+    summed weighted loss, and with `gradients`, (the params' gradient, summed over the stages; the own steps'
+    gradient [1, ...]; each target's loss), each summed over the context shards."""
     stage = jax.lax.axis_index(axis)
     first, last = stage == 0, stage == stages - 1
     slots = 2 * stages - 1
@@ -264,7 +273,7 @@ def _one_f_one_b(first_fn, step_fn, last_fn, stages, count, axis, gradients, par
             return (jax.lax.ppermute(y, axis, forward_to_next), loss), None
 
         loss = jax.lax.scan(tick, (x, jnp.zeros((), jnp.float32)), jnp.arange(count + stages - 1))[0][1]
-        return jax.lax.psum(loss, axis)
+        return jax.lax.psum(loss, (*_names(axis), *context_axes))
 
     # What a microbatch's pullback holds: its params are this tick's, so the ring keeps only the rest.
     layout = {}
@@ -330,5 +339,12 @@ def _one_f_one_b(first_fn, step_fn, last_fn, stages, count, axis, gradients, par
         body = functools.partial(tick, forward=forward, backward=backward)
         carry = jax.lax.scan(body, carry, jnp.arange(ticks.start, ticks.stop))[0]
     loss, params_grad, own_grad, losses = carry[3]
-    summed = jax.lax.psum((loss, params_grad, losses), axis)
-    return summed[0], (summed[1], jax.tree.map(lambda g: g[None], own_grad), summed[2])
+    everywhere = (*_names(axis), *context_axes)
+    loss, params_grad = jax.lax.psum((loss, params_grad), everywhere)
+    own_grad = jax.lax.psum(own_grad, context_axes) if context_axes else own_grad
+    return loss, (params_grad, jax.tree.map(lambda g: g[None], own_grad), jax.lax.psum(losses, axis))
+
+
+def _names(axis) -> tuple:
+    """A collective's axis name, or tuple of them, as a tuple."""
+    return axis if isinstance(axis, tuple) else (axis,)
