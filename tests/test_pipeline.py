@@ -442,6 +442,19 @@ def test_the_planner_tries_stages_for_a_model_one_host_cannot_hold():
     assert {mesh["stage"] for mesh in meshes["llama3_8b"]} == {1}
 
 
+def test_the_planner_keeps_a_1f1b_rule_and_counts_the_head_its_last_stage_runs(tmp_path):
+    """A target whose own rule runs 1F1B is compiled so by `axgen plan` (its candidate keeps the schedule), and the
+    estimate adds the output head and loss that only the last stage runs, under a lax.cond whose dots XLA's count
+    leaves out: 8 FLOPs a weight and token, all the step's tokens over one stage's devices."""
+    path = spec_file(tmp_path, "planned", {"stage": 2, "fsdp": 4}, 2, None, None, "1f1b")
+    spec, built = load_spec(path), build(path, "cpu-8")
+    own = planner.own_candidate(spec, plan_for(spec, "cpu-8"))
+    assert own.fields()["pipeline_schedule"] == "1f1b" and own.mesh_text() == "stage=2 fsdp=4 1F1B"
+    train = spec.train
+    expected = 8 * spec.d_model * spec.vocab_size * train.global_batch * train.seq_len / (8 / 2)
+    assert planner._last_stage_head_flops(built, 2) == expected
+
+
 # slow tier: deviceless compiles for the chips (about 35 s each on 2 cores)
 @pytest.mark.slow
 @pytest.mark.parametrize(

@@ -99,6 +99,7 @@ class Candidate:
     remat: str
     attention_block: int | None = None
     pipeline_repeats: int = 1  # 1: GPipe; more: the circular schedule's rounds
+    one_f_one_b: bool = False  # the target's own rule's 1F1B schedule (the search tries GPipe and circular)
     # MeshRule.shard_residual: the target's own rule's, on each mesh of the search it can split (residual_refused)
     shard_residual: bool = False
     kept: tuple[tuple[str, object], ...] = ()  # KEPT_MODIFIERS the target's own rule sets (`kept_modifiers`)
@@ -108,12 +109,14 @@ class Candidate:
         fields = {"mesh": {a: n for a, n in self.mesh if n > 1} or {"fsdp": 1}, "microbatch": self.microbatch}
         fields["remat"] = self.remat
         fields |= {"pipeline_repeats": self.pipeline_repeats} if self.pipeline_repeats > 1 else {}
+        fields |= {"pipeline_schedule": "1f1b"} if self.one_f_one_b else {}
         fields |= {"shard_residual": True} if self.shard_residual else {}
         fields |= dict(self.kept)
         return fields | ({"attention_block": self.attention_block} if self.attention_block else {})
 
     def mesh_text(self) -> str:
         circular = f" x{self.pipeline_repeats} rounds" if self.pipeline_repeats > 1 else ""
+        circular += " 1F1B" if self.one_f_one_b else ""
         residual = " residual/model" if self.shard_residual else ""
         return " ".join(f"{a}={n}" for a, n in self.mesh if n > 1) + circular + residual or "1 device"
 
@@ -192,7 +195,10 @@ def search(
 
     def estimated(report: Report) -> dict[str, float]:
         # In pipeline stages the kernels run in the bubble's iterations too.
-        return estimate(plan, report, kernel_flops / (1 - (report.bubble or 0)))
+        head = (
+            _last_stage_head_flops(built, report.mesh["stage"]) if report.pipeline_schedule == "1f1b" else 0
+        )
+        return estimate(plan, report, (kernel_flops + head) / (1 - (report.bubble or 0)))
 
     state = Search(spec_path, target, max_compiles, log, estimated)
     per_slice = plan.num_devices // plan.num_slices
@@ -231,6 +237,7 @@ def own_candidate(spec: Model, plan: Plan) -> Candidate:
         remat.policy if remat else "none",
         plan.attention_block,
         plan.pipeline_repeats,
+        plan.pipeline_schedule == "1f1b",
         plan.shard_residual,
         kept_modifiers(plan),
     )
@@ -423,6 +430,15 @@ def _kernel_flops(built: Built) -> float:
 
     per_token = cost.flops_per_token(built.graph, train.seq_len, in_kernel)
     return per_token * train.global_batch * train.seq_len / built.plan.num_devices
+
+
+def _last_stage_head_flops(built: Built, stages: int) -> float:
+    """Per device of the last stage per step, under 1F1B: the output head and the fused loss, 8 FLOPs a weight and
+    token (the forward, its recomputation and the backward's two). They run under a lax.cond on the last stage
+    alone, which XLA's count of the HLO's dots leaves out, and every tick waits for that stage."""
+    train = built.spec.train
+    per_token = cost.flops_per_token(built.graph, train.seq_len, lambda node: node.op == "lm_head") * 8 / 6
+    return per_token * train.global_batch * train.seq_len / (built.plan.num_devices / stages)
 
 
 def _progress(outcome: Outcome, done: int, budget: int) -> str:
