@@ -288,8 +288,9 @@ def test_the_lowering_shows_the_stages_and_refuses_what_it_cannot_split(tmp_path
     runtime.pipeline, with why, and the train step its passes as without stages. More stages than layers, stages
     of unequal layers or of part of a group, pipeline microbatches that do not split a pass or have no stages to go
     through, rounds of the circular schedule that do not cut the layers into equal runs, routed experts, a
-    schedule that does not match its rounds, and 1F1B where the loss is more than the cross-entropy (DPO) are
-    refused at build time naming the rule and the value, with nothing written. 1F1B prints the pipelined loss:
+    schedule that does not match its rounds, 1F1B where the loss is more than the cross-entropy (DPO) or
+    where splash attention would meet context shards, and context with shard_residual on stages that are not a
+    power of two are refused at build time naming the rule and the value, with nothing written. 1F1B prints the pipelined loss:
     the first stage's input and the last stage's losses as functions of a microbatch."""
     spec = spec_file(tmp_path, "stages", {"stage": 2, "fsdp": 2, "model": 2}, 2)
     assert axgen(["graph", str(spec), "--target", "cpu-8", "--after", "lowering"]) == 0
@@ -413,6 +414,18 @@ def test_the_lowering_shows_the_stages_and_refuses_what_it_cannot_split(tmp_path
             "gpu-h100-48",
         ),
     ]
+    splash = spec_file(
+        tmp_path, "splash", {"stage": 2, "context": 2, "model": 2}, 2, None, None, "1f1b", target="tpu-v5e-8"
+    )
+    splash.write_text(splash.read_text() + "spec = spec.replace(train=spec.train.replace(seq_len=256))\n")
+    cases.append(
+        (
+            splash,
+            "pipeline_schedule='1f1b' with context=2 runs attention on each device's context shard, which splash "
+            "attention does not do there yet",
+            "tpu-v5e-8",
+        )
+    )
     for bad, message, *target in cases:
         out = tmp_path / "out.py"
         assert axgen(["build", str(bad), "--target", *(target or ["cpu-8"]), "--out", str(out)]) == 2

@@ -254,10 +254,9 @@ def _one_f_one_b(
         zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(fn, *args))
         return jax.lax.cond(last & valid, fn, lambda *_: zeros, *args)
 
+    # What stage 0 receives, and every stage before its first microbatch.
     shape = jax.eval_shape(first_fn, params, of(0))
-    x = jnp.zeros(
-        shape.shape, shape.dtype
-    )  # what stage 0 receives, and every stage before its first microbatch
+    x = jnp.zeros(shape.shape, shape.dtype)
     # Whole cycles (vmap's ppermute takes no other): stage 0 ignores what the last stage sends it, the last stage
     # the gradient stage 0 sends it.
     forward_to_next = [(s, (s + 1) % stages) for s in range(stages)]
@@ -313,9 +312,8 @@ def _one_f_one_b(
             )
             dy = jnp.where(last, dy_last, dy)  # the last stage's backward starts from its own loss
         if backward:
-            known, stored = jax.tree.leaves((params, own)), iter(
-                jax.lax.dynamic_index_in_dim(r, m_backward % slots, keepdims=False) for r in ring
-            )
+            known = jax.tree.leaves((params, own))
+            stored = iter(jax.lax.dynamic_index_in_dim(r, m_backward % slots, keepdims=False) for r in ring)
             held = layout["tree"].unflatten(
                 [next(stored) if j is None else known[j] for j in layout["params"]]
             )
