@@ -410,7 +410,7 @@ def test_the_lowering_shows_the_stages_and_refuses_what_it_cannot_split(tmp_path
                 shard_residual=True,
             ),
             "MeshRule.mesh stage=3 (pattern 'gpu-h100-48') with context=2 and shard_residual: XLA's partitioner "
-            "aborts where the stages are not a power of two",
+            "aborts on such stage counts that are not a power of two",
             "gpu-h100-48",
         ),
     ]

@@ -336,11 +336,14 @@ def _check_stages(plan: Plan, spec: Model) -> None:
         )
     context = dict(plan.mesh)["context"]
     if context > 1 and plan.shard_residual and stages & (stages - 1):
-        # Compiled for H100s: stage=2, 4 and 8 compile; 3, 6, 42 and 63 abort in the partitioner (GPipe and 1F1B).
+        # Compiled with context=2 (GPipe and 1F1B alike): the 405B's widths with model=8 at stage=2, 4 and 8, and
+        # llama_tiny with model=2 at stage=6, compile; the 405B's at 3, 6, 42 and 63 and llama_tiny's at 3 and 5
+        # abort in the partitioner. Refused short of a power of two, where none aborted.
         raise SpecError(
             f"{rule.origin}: MeshRule.mesh stage={stages} (pattern {rule.pattern!r}) with context={context} and "
-            "shard_residual: XLA's partitioner aborts where the stages are not a power of two (jax 0.12.0.1, a "
-            "check in mesh_and_axis.cc or named_sharding.cc); use 2, 4, 8, ... stages, or drop shard_residual"
+            "shard_residual: XLA's partitioner aborts on such stage counts that are not a power of two (jax "
+            "0.12.0.1, a check in mesh_and_axis.cc or named_sharding.cc); use 2, 4, 8, ... stages, or drop "
+            "shard_residual"
         )
     refused = runs_refused(spec, stages, plan.pipeline_repeats)
     if refused:
