@@ -54,7 +54,7 @@ def test_plan_drops_what_does_not_fit_ranks_the_rest_and_writes_the_winner(tmp_p
     assert "[1/4] 1 device, microbatch 2, save_dots: fits (3.50 GiB)" in out
     assert "[2/4] 1 device, microbatch 128, none: does not fit (154.50 GiB)" in out
     assert "pruned 1 device, microbatch 64, none: needs at least 78.01 GiB, more than 75.2 usable" in out
-    assert "[3/4] 1 device, microbatch 32, none: fits (41.88 GiB)" in out
+    assert "[3/4] 1 device, microbatch 32, none: fits (41.83 GiB)" in out
     assert "3 fit 75.2 GiB usable per device; 1 did not:" in out
     [row] = [line for line in out.splitlines() if line.startswith("   1  ")]
     assert row.split()[1:5] == ["1", "device", "128", "save_dots"]
