@@ -21,7 +21,8 @@ from axgen.interop import load_program
 from axgen.loader import load_spec
 from axgen.runtime.program import Program
 from axgen.runtime.stages import bubble
-from axgen.spec import MESH_AXES
+from axgen.ir import cost
+from axgen.spec import MESH_AXES, MeshRule
 from axgen.analysis.aot import Report
 from tests.conftest import ROOT, assert_gradients_close
 from tests.test_aot import aot
@@ -136,7 +137,8 @@ def test_1f1b_stages_give_the_loss_and_gradients_of_the_plain_model():
     there) and on meshes whose stage axis is manual beside fsdp and model or data, equals the plain model's
     weighted loss, and its gradients those of the params, the stack and the weights (each target's loss); its value
     alone (no gradient) runs the forwards only. With 4 stages of 2 microbatches the ring's slots outnumber them.
-    """
+    The first 6 of the layers on 4 stages run as stages of 2, 2, 2 and none, the stack split over the stage axis on
+    its mlp dimension and sent to the stages in an all-to-all."""
 
     def layer(x, p, positions, segment_ids):
         h = runtime.constrain(jnp.tanh(jnp.einsum("bse,ef->bsf", x, p["w1"])), ("batch", "seq", "mlp"), RULES)
@@ -152,7 +154,7 @@ def test_1f1b_stages_give_the_loss_and_gradients_of_the_plain_model():
         return runtime.cross_entropy(x @ params["head"], mb["labels"])
 
     keys = jax.random.split(jax.random.key(1), 5)
-    stacked = {
+    eight_layers = {
         "w1": 0.3 * jax.random.normal(keys[0], (8, 16, 32)),
         "w2": 0.3 * jax.random.normal(keys[1], (8, 32, 16)),
     }
@@ -175,13 +177,22 @@ def test_1f1b_stages_give_the_loss_and_gradients_of_the_plain_model():
         x = jax.lax.scan(lambda x, p: (step(x, p), None), first(params, inputs), stacked)[0]
         return jnp.sum(last(params, x, inputs) * weights)
 
-    expected, expected_grads = jax.value_and_grad(plain, (0, 1, 2))(params, stacked, inputs["weights"])
-    for stages, microbatch, mesh in [
-        (2, 1, None),
-        (4, 1, None),
-        (2, 1, mesh_of(stage=2, fsdp=2, model=2)),
-        (4, 2, mesh_of(stage=4, data=2)),
+    six_layers = jax.tree.map(lambda w: w[:6], eight_layers)
+    split_mlp = {**RULES, "mlp": ("model", "stage")}  # the rules of stages the layers do not divide
+    specs = {
+        "w1": runtime.ParamSpec((6, 16, 32), ("layers", "embed", "mlp")),
+        "w2": runtime.ParamSpec((6, 32, 16), ("layers", "mlp", "embed")),
+    }
+    for stages, microbatch, mesh, stacked in [
+        (2, 1, None, eight_layers),
+        (4, 1, None, eight_layers),
+        (2, 1, mesh_of(stage=2, fsdp=2, model=2), eight_layers),
+        (4, 2, mesh_of(stage=4, data=2), eight_layers),
+        (4, 1, None, six_layers),
+        (4, 1, mesh_of(stage=4, model=2), six_layers),
     ]:
+        rules = RULES if stacked is eight_layers else split_mlp
+        expected, expected_grads = jax.value_and_grad(plain, (0, 1, 2))(params, stacked, inputs["weights"])
 
         def staged(params, stacked, weights):
             weighted = {**inputs, "weights": weights}
@@ -194,7 +205,8 @@ def test_1f1b_stages_give_the_loss_and_gradients_of_the_plain_model():
                 weighted,
                 stages=stages,
                 microbatch=microbatch,
-                rules=RULES,
+                rules=rules,
+                specs=specs,
             )
 
         with jax.set_mesh(mesh) if mesh else contextlib.nullcontext():
@@ -328,6 +340,14 @@ def test_the_lowering_shows_the_stages_and_refuses_what_it_cannot_split(tmp_path
     )
     assert "embed = runtime.vocab_parallel_take(" in one_f_one_b and "def target_losses(" not in one_f_one_b
     assert "cross_entropy = weighted_loss(params, tokens, segment_ids, trained / " in one_f_one_b
+    # 6 layers on 4 stages: 3 of 2 and one that runs the head alone; the stack split over stage on embed and mlp.
+    uneven = build(
+        spec_file(tmp_path, "uneven_1f1b", {"stage": 4, "model": 2}, 2, None, None, "1f1b", layers=6), "cpu-8"
+    )
+    assert "# pipeline · 3 stages of 2 layers and 1 without on the mesh's stage axis, 1F1B" in uneven.source
+    assert '        specs=PARAMS["layers"],\n' in uneven.source and "runtime.pipeline(" not in uneven.source
+    assert '"embed": ("fsdp", "expert", "context", "stage"),' in uneven.source
+    assert '"mlp": ("model", "stage"),' in uneven.source
     assert source.count("MICROBATCH, PARAMS, LOGICAL_AXIS_RULES)") == 1 and "MICROBATCH = 2\n" in source
     assert "runtime.pipeline(" not in build(spec_file(tmp_path, "plain", {"fsdp": 8}, 2), "cpu-8").source
     gpu = build(
@@ -375,6 +395,10 @@ def test_the_lowering_shows_the_stages_and_refuses_what_it_cannot_split(tmp_path
         (
             spec_file(tmp_path, "never", {"stage": 2, "fsdp": 4}, 2, None, -1),
             "MeshRule.pipeline_repeats=-1 must be > 0",
+        ),
+        (
+            spec_file(tmp_path, "five", {"stage": 4, "model": 2}, 2, None, None, "1f1b", layers=5),
+            "stage=4 (pattern 'cpu-8') does not split Decoder.num_layers=5 into stages of 2 layers and empty ones",
         ),
         (
             spec_file(tmp_path, "once", {"stage": 2, "fsdp": 4}, 2, None, None, "circular"),
@@ -455,17 +479,29 @@ def test_the_planner_tries_stages_for_a_model_one_host_cannot_hold():
     assert {mesh["stage"] for mesh in meshes["llama3_8b"]} == {1}
 
 
-def test_the_planner_keeps_a_1f1b_rule_and_counts_the_head_its_last_stage_runs(tmp_path):
-    """A target whose own rule runs 1F1B is compiled so by `axgen plan` (its candidate keeps the schedule), and the
-    estimate adds the output head and loss that only the last stage runs, under a lax.cond whose dots XLA's count
-    leaves out: 8 FLOPs a weight and token, all the step's tokens over one stage's devices."""
-    path = spec_file(tmp_path, "planned", {"stage": 2, "fsdp": 4}, 2, None, None, "1f1b")
+def test_the_planner_keeps_a_1f1b_rule_and_counts_its_busiest_stage(tmp_path):
+    """A target whose own rule runs 1F1B is compiled so by `axgen plan` (its candidate keeps the schedule), and its
+    compute is the busiest stage's every tick, counted from the graph (XLA's count leaves out the dots under a
+    lax.cond): the last stage's layers and the head and loss at 8 FLOPs a weight and token (llama_tiny's 4 layers
+    on 2 stages), or the larger of a full stage's layers and the head where the last stage holds none (on 3
+    stages: 2, 2 and none; with a 65,536-token vocabulary the head weighs more)."""
+    path = ROOT / "axgen/specs/llama_tiny.py"
     spec, built = load_spec(path), build(path, "cpu-8")
-    own = planner.own_candidate(spec, plan_for(spec, "cpu-8"))
+    tiny_rule = MeshRule("cpu-8", {"stage": 2, "fsdp": 4}, why="t", microbatch=2, pipeline_schedule="1f1b")
+    own = planner.own_candidate(spec, plan_for(spec.replace(mesh_rules=[tiny_rule]), "cpu-8"))
     assert own.fields()["pipeline_schedule"] == "1f1b" and own.mesh_text() == "stage=2 fsdp=4 1F1B"
-    train = spec.train
-    expected = 8 * spec.d_model * spec.vocab_size * train.global_batch * train.seq_len / (8 / 2)
-    assert planner._last_stage_head_flops(built, 2) == expected
+    train, layers = spec.train, spec.decoder.num_layers
+    per_layer = cost.flops_per_token(built.graph, train.seq_len, lambda n: n.region != "main") / layers
+    tokens = train.global_batch * train.seq_len
+    head = 8 * spec.d_model * spec.vocab_size
+    two_stages = (2 * per_layer + head) * tokens / 4 / 0.75
+    assert planner._one_f_one_b_flops(built, 2, 0.25) == pytest.approx(two_stages)
+    assert planner._one_f_one_b_flops(built, 3, 0) == pytest.approx(2 * per_layer * tokens / (8 / 3))
+    wide = tmp_path / "wide_vocab.py"
+    wide.write_text("from axgen.specs.llama_tiny import spec\nspec = spec.replace(vocab_size=65536)\n")
+    head = 8 * spec.d_model * 65536
+    assert head > 2 * per_layer
+    assert planner._one_f_one_b_flops(build(wide, "cpu-8"), 3, 0) == pytest.approx(head * tokens / (8 / 3))
 
 
 # slow tier: deviceless compiles for the chips (about 35 s each on 2 cores)

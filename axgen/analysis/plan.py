@@ -194,11 +194,11 @@ def search(
     kernel_flops = _kernel_flops(built)
 
     def estimated(report: Report) -> dict[str, float]:
+        if report.pipeline_schedule == "1f1b":
+            busiest = _one_f_one_b_flops(built, report.mesh["stage"], report.bubble)
+            return estimate(plan, dataclasses.replace(report, dot_flops=busiest), 0)
         # In pipeline stages the kernels run in the bubble's iterations too.
-        head = (
-            _last_stage_head_flops(built, report.mesh["stage"]) if report.pipeline_schedule == "1f1b" else 0
-        )
-        return estimate(plan, report, (kernel_flops + head) / (1 - (report.bubble or 0)))
+        return estimate(plan, report, kernel_flops / (1 - (report.bubble or 0)))
 
     state = Search(spec_path, target, max_compiles, log, estimated)
     per_slice = plan.num_devices // plan.num_slices
@@ -432,13 +432,21 @@ def _kernel_flops(built: Built) -> float:
     return per_token * train.global_batch * train.seq_len / built.plan.num_devices
 
 
-def _last_stage_head_flops(built: Built, stages: int) -> float:
-    """Per device of the last stage per step, under 1F1B: the output head and the fused loss, 8 FLOPs a weight and
-    token (the forward, its recomputation and the backward's two). They run under a lax.cond on the last stage
-    alone, which XLA's count of the HLO's dots leaves out, and every tick waits for that stage."""
-    train = built.spec.train
-    per_token = cost.flops_per_token(built.graph, train.seq_len, lambda node: node.op == "lm_head") * 8 / 6
-    return per_token * train.global_batch * train.seq_len / (built.plan.num_devices / stages)
+def _one_f_one_b_flops(built: Built, stages: int, bubble: float) -> float:
+    """Per device per step on the busiest 1F1B stage, every tick of the pass: a full stage's layers (ceil(layers /
+    stages), attention included) and the last stage's output head and fused loss (8 FLOPs a weight and token: the
+    forward, its recomputation and the backward's two), the two added where the last stage holds layers and the
+    larger where it holds none, over all the step's tokens and one stage's devices. Counted from the graph: the
+    head and the empty stages' skipped layers run under a lax.cond, whose dots XLA's count of the HLO leaves out.
+    """
+    spec, train = built.spec, built.spec.train
+    layers = spec.decoder.num_layers
+    per_stage = -(-layers // stages)
+    per_layer = cost.flops_per_token(built.graph, train.seq_len, lambda node: node.region != "main") / layers
+    head = cost.flops_per_token(built.graph, train.seq_len, lambda node: node.op == "lm_head") * 8 / 6
+    last_holds_layers = layers // per_stage == stages
+    busiest = per_stage * per_layer + head if last_holds_layers else max(per_stage * per_layer, head)
+    return busiest * train.global_batch * train.seq_len / (built.plan.num_devices / stages) / (1 - bubble)
 
 
 def _progress(outcome: Outcome, done: int, budget: int) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass, field
 
 from axgen.ir.types import LOGICAL_AXES
@@ -47,6 +48,15 @@ _SHARDED = {
 }
 LOGICAL_AXIS_RULES: tuple[tuple[str, tuple[str, ...]], ...] = tuple(
     (axis, _SHARDED.get(axis, ())) for axis in LOGICAL_AXES
+)
+# 1F1B stages whose layers do not divide the stacked layers (Llama 3.1 405B's 126 on 64 stages): the stack cannot
+# split over `stage` by layer, so its weights split over it on their embed or mlp dimension instead (the last
+# fallback, where fsdp, context and model leave room) and runtime.pipelined_loss sends each stage its own layers
+# once a step (an all-to-all over the stage axis). Activations meet `stage` only inside the stages, where it is
+# manual.
+UNEVEN_STAGE_RULES: tuple[tuple[str, tuple[str, ...]], ...] = tuple(
+    (axis, (*mesh_axes, "stage") if axis in ("embed", "mlp") else mesh_axes)
+    for axis, mesh_axes in LOGICAL_AXIS_RULES
 )
 
 
@@ -259,6 +269,8 @@ def make_plan(family: Family, spec: Model, target: str) -> Plan:
         **_stack_cast(rule, family),
         memory_fraction=rule.memory_fraction or family.memory_fraction,
     )
+    if plan.pipeline_schedule == "1f1b" and spec.decoder.num_layers % max(plan.stages, 1):
+        plan = dataclasses.replace(plan, logical_axis_rules=UNEVEN_STAGE_RULES)
     _check_attention(plan, family, spec)
     _check_context(plan, spec)
     _check_stages(plan, spec)
@@ -325,7 +337,7 @@ def _check_stages(plan: Plan, spec: Model) -> None:
                     f"pipeline stages, and its mesh has none; give the mesh a stage axis or drop {name}"
                 )
         return
-    refused = stages_refused(spec, stages)
+    refused = stages_refused(spec, stages, uneven=plan.pipeline_schedule == "1f1b")
     if refused:
         raise SpecError(f"{rule.origin}: MeshRule.mesh stage={stages} (pattern {rule.pattern!r}) {refused}")
     if (plan.pipeline_schedule == "circular") != (plan.pipeline_repeats > 1):
@@ -345,7 +357,7 @@ def _check_stages(plan: Plan, spec: Model) -> None:
             "0.12.0.1, a check in mesh_and_axis.cc or named_sharding.cc); use 2, 4, 8, ... stages, or drop "
             "shard_residual"
         )
-    refused = runs_refused(spec, stages, plan.pipeline_repeats)
+    refused = None if plan.pipeline_schedule == "1f1b" else runs_refused(spec, stages, plan.pipeline_repeats)
     if refused:
         raise SpecError(
             f"{rule.origin}: MeshRule.pipeline_repeats={plan.pipeline_repeats} (pattern {rule.pattern!r}) {refused}"
@@ -370,13 +382,21 @@ def runs_refused(spec: Model, stages: int, repeats: int) -> str | None:
     return None
 
 
-def stages_refused(spec: Model, stages: int) -> str | None:
+def stages_refused(spec: Model, stages: int, uneven: bool = False) -> str | None:
     """Why the spec's layers cannot run in `stages` pipeline stages, or None: what a rule asking for them is
-    refused with, and what keeps `axgen plan` from trying them."""
+    refused with, and what keeps `axgen plan` from trying them. `uneven` (1F1B): stages of ceil(layers / stages)
+    layers each but the last ones, which hold none (Llama 3.1 405B's 126 layers on 64 stages: 63 of 2 and one that
+    runs the head alone)."""
     layers = spec.decoder.num_layers
     if stages > layers:
         return f"is more stages than the {layers} layers of Decoder.num_layers ({spec.origin})"
-    if layers % stages:
+    per_stage = -(-layers // stages)
+    if uneven and layers % per_stage:
+        return (
+            f"does not split Decoder.num_layers={layers} into stages of {per_stage} layers and empty ones "
+            f"({spec.origin})"
+        )
+    if layers % stages and not uneven:
         return (
             f"does not split Decoder.num_layers={layers} into stages of as many layers each ({spec.origin})"
         )

@@ -314,7 +314,13 @@ def pipeline(g: Graph, plan: Plan) -> None:
     if stages == 1:
         return
     (scan,) = g.nodes(op="scan")
-    if scan.attrs.steps % (stages * repeats):
+    steps_per_stage = -(-scan.attrs.steps // stages)  # 1F1B's; the stages after the last full one hold none
+    if schedule_name == "1f1b" and scan.attrs.steps % steps_per_stage:
+        raise GraphError(
+            f"{plan.rule.provenance}: stage={stages} does not split the {scan.attrs.steps} steps of {scan} into "
+            f"stages of {steps_per_stage} steps and empty ones"
+        )
+    if scan.attrs.steps % (stages * repeats) and schedule_name != "1f1b":
         raise GraphError(
             f"{plan.rule.provenance}: stage={stages} x pipeline_repeats={repeats} does not split the "
             f"{scan.attrs.steps} steps of {scan} (groups of {scan.attrs.calls[0].per_step} layers) into runs of "
@@ -351,12 +357,18 @@ def pipeline(g: Graph, plan: Plan) -> None:
             lookup_why="each device looks up its own rows of the table: XLA cannot partition the gather inside the "
             "1F1B stages (runtime.vocab_parallel_take)",
         )
-    per_run = scan.attrs.steps // (stages * repeats) * sum(call.per_step for call in scan.attrs.calls)
+    per_step = sum(call.per_step for call in scan.attrs.calls)
+    per_run = scan.attrs.steps // (stages * repeats) * per_step
+    full = scan.attrs.steps // steps_per_stage
+    one_f_one_b = (
+        f"{stages} stages of {steps_per_stage * per_step} layers"
+        if full == stages
+        else f"{full} stages of {steps_per_stage * per_step} layers and {stages - full} without"
+    )
     size = plan.microbatch // plan.pipeline_microbatches
     schedule = {
         "gpipe": f"{stages} stages of {per_run} layers on the mesh's stage axis, GPipe",
-        "1f1b": f"{stages} stages of {per_run} layers on the mesh's stage axis, 1F1B (the output head and the loss "
-        "in the last stage)",
+        "1f1b": f"{one_f_one_b} on the mesh's stage axis, 1F1B (the output head and the loss in the last stage)",
         "circular": f"{stages} stages of {repeats} runs of {per_run} layers on the mesh's stage axis (stage s: runs "
         f"s, s + {stages}, ...), circular, {repeats} rounds",
     }[schedule_name]

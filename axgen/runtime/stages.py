@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from axgen.runtime.sharding import constrain
+from axgen.runtime.params import is_param_spec
+from axgen.runtime.sharding import constrain, logical_to_mesh, mesh_axes
 from axgen.runtime.training import traced_accumulation_steps
 
 # The stages' slots [stages, rows, seq, embed]: stage s's on the devices that hold stage s's layers.
@@ -146,7 +147,17 @@ def bubble(stages: int, microbatches: int, repeats: int = 1) -> float:
 
 
 def pipelined_loss(
-    first_fn, step_fn, last_fn, params, stacked, inputs, *, stages: int, microbatch: int, rules: dict
+    first_fn,
+    step_fn,
+    last_fn,
+    params,
+    stacked,
+    inputs,
+    *,
+    stages: int,
+    microbatch: int,
+    rules: dict,
+    specs=None,
 ):
     """The sum over a pass's targets of their losses times `inputs["weights"]`, each microbatch's backward run
     through the stages as soon as its forward has left the last one (1F1B): no stage keeps more than 2 stages - 1
@@ -158,6 +169,12 @@ def pipelined_loss(
     `microbatch` rows a device as `pipeline` cuts them. For each microbatch `mb` (a dict of its rows of each input):
     `first_fn(params, mb)` -> the first step's input x [rows, seq, embed]; `step_fn(x, p, positions, segment_ids)`
     -> x, one step of the stack; `last_fn(params, x, mb)` -> the targets' losses [rows, seq] in float32.
+
+    Where the steps do not divide into the stages, the stages hold ceil(steps / stages) steps each but the last
+    ones, which hold none and skip them (Llama 3.1 405B's 126 layers on 64 stages: the last runs the head alone).
+    The rules then split the stack's weights over the stage axis on another dimension (`specs`, the stack's
+    ParamSpecs, say which), and each stage gets its own steps in an all-to-all over the stage axis once a pass,
+    and sends their gradient back the same way.
 
     The schedule is lockstep: at tick t stage s runs the forward of microbatch t - s and the backward of microbatch
     t - 2 (stages - 1) + s, so the last stage runs a microbatch's loss and its backward in the tick of its forward,
@@ -175,8 +192,44 @@ def pipelined_loss(
     )
     axis = stage_axes or "stages"
     microbatches = jax.tree.map(lambda a: a.reshape(-1, count, *a.shape[1:]).swapaxes(0, 1), inputs)
-    staged = jax.tree.map(lambda w: w.reshape(stages, -1, *w.shape[1:]), stacked)
-    schedule = functools.partial(_one_f_one_b, first_fn, step_fn, last_fn, stages, count, axis, context_axes)
+    steps = jax.tree.leaves(stacked)[0].shape[0]
+    per_stage = -(-steps // stages)
+    full_stages = steps // per_stage  # those after them hold no steps
+
+    def padded(w):  # [steps, ...] -> [stages x per_stage, ...], the empty stages' steps zeros they skip
+        return jnp.concatenate([w, jnp.zeros((stages * per_stage - steps, *w.shape[1:]), w.dtype)])
+
+    # Stored split over the stage axis on dimension `at` where the steps do not divide (see the docstring).
+    if stage_axes and steps % stages:
+        at = jax.tree.map(
+            lambda s: _stage_dimension(s, rules, mesh.shape, stage_axes), specs, is_leaf=is_param_spec
+        )
+        staged = stacked
+        staged_specs = jax.tree.map(lambda d: P(*[None] * d, stage_axes), at)
+
+        def own_steps(w):  # [steps, ..., dim / stages, ...] -> this stage's [per_stage, ..., dim, ...]
+            return jax.tree.map(
+                lambda w, d: jax.lax.all_to_all(padded(w), stage_axes, 0, d, tiled=True), w, at
+            )
+
+        def stored(g):  # the inverse, for the gradient
+            return jax.tree.map(
+                lambda g, d: jax.lax.all_to_all(g[0], stage_axes, d, 0, tiled=True)[:steps], g, at
+            )
+
+    else:
+        staged = jax.tree.map(lambda w: padded(w).reshape(stages, per_stage, *w.shape[1:]), stacked)
+        staged_specs = P(stage_axes)
+
+        def own_steps(w):
+            return jax.tree.map(lambda a: a[0], w)
+
+        def stored(g):
+            return g
+
+    schedule = functools.partial(
+        _one_f_one_b, first_fn, step_fn, last_fn, stages, full_stages, count, axis, context_axes
+    )
 
     def run(gradients, params, staged, microbatches):
         if not stage_axes:  # one device, or stages the mesh does not split: every stage there
@@ -195,12 +248,16 @@ def pipelined_loss(
         # that each device sums its own tokens' weight gradients over the pass and the context shards add them up
         # once, after it (automatic, XLA would reduce them across the shards' hosts every tick).
         tokens = P(None, None, context_axes)  # [microbatches, rows, seq]: each device its context shard
-        out_specs = (P(), (P(), P(stage_axes), tokens)) if gradients else P()
+
+        def own_stage(params, staged, microbatches):
+            out = schedule(gradients, params, own_steps(staged), microbatches)
+            return (out[0], (out[1][0], stored(out[1][1]), out[1][2])) if gradients else out
+
         return jax.shard_map(
-            lambda p, w, mb: schedule(gradients, p, jax.tree.map(lambda a: a[0], w), mb),
+            own_stage,
             mesh=mesh,
-            in_specs=(P(), P(stage_axes), tokens),
-            out_specs=out_specs,
+            in_specs=(P(), staged_specs, tokens),
+            out_specs=(P(), (P(), staged_specs, tokens)) if gradients else P(),
             axis_names={*stage_axes, *context_axes},
             check_vma=False,
         )(params, staged, microbatches)
@@ -224,12 +281,24 @@ def pipelined_loss(
 
 
 def _one_f_one_b(
-    first_fn, step_fn, last_fn, stages, count, axis, context_axes, gradients, params, own, microbatches
+    first_fn,
+    step_fn,
+    last_fn,
+    stages,
+    full_stages,
+    count,
+    axis,
+    context_axes,
+    gradients,
+    params,
+    own,
+    microbatches,
 ):
     """One stage's part of `pipelined_loss` (its `own` steps [steps / stages, ...]), run on each device of the stage
     axis `axis` (or vmapped over it), on its context shard of the tokens where `context_axes` split them: the
     summed weighted loss, and with `gradients`, (the params' gradient, summed over the stages; the own steps'
-    gradient [1, ...]; each target's loss), each summed over the context shards."""
+    gradient [1, ...]; each target's loss), each summed over the context shards. Stages from `full_stages` on hold
+    no steps and skip them."""
     stage = jax.lax.axis_index(axis)
     first, last = stage == 0, stage == stages - 1
     slots = 2 * stages - 1
@@ -241,7 +310,13 @@ def _one_f_one_b(
 
     def steps(x, params, own, mb):  # stage 0 starts from the microbatch's first_fn, the others from what came
         x = jnp.where(first, first_fn(params, mb), x)
-        return jax.lax.scan(lambda x, p: (step_fn(x, p, mb["positions"], mb["segment_ids"]), None), x, own)[0]
+
+        def run(x):
+            return jax.lax.scan(
+                lambda x, p: (step_fn(x, p, mb["positions"], mb["segment_ids"]), None), x, own
+            )[0]
+
+        return run(x) if full_stages == stages else jax.lax.cond(stage < full_stages, run, lambda x: x, x)
 
     def loss_of(params, y, mb):
         losses = last_fn(params, y, mb)
@@ -341,6 +416,15 @@ def _one_f_one_b(
     loss, params_grad = jax.lax.psum((loss, params_grad), everywhere)
     own_grad = jax.lax.psum(own_grad, context_axes) if context_axes else own_grad
     return loss, (params_grad, jax.tree.map(lambda g: g[None], own_grad), jax.lax.psum(losses, axis))
+
+
+def _stage_dimension(spec, rules: dict, mesh_shape, stage_axes) -> int:
+    """The dimension of a stacked param [steps, ...] that the rules split over the stage axes."""
+    entries = logical_to_mesh(rules, spec.axes, spec.shape, mesh_shape)
+    for d, entry in enumerate(entries):
+        if set(stage_axes) <= set(mesh_axes(entry)):
+            return d
+    raise ValueError(f"a stacked param {spec.shape} {spec.axes} is not split over {stage_axes} by the rules")
 
 
 def _names(axis) -> tuple:
