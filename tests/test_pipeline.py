@@ -295,6 +295,46 @@ def test_stage_2_and_4_train_as_one_stage_does(stage_programs):
             assert_gradients_close(grads, expected_grads, 2e-6, f"{name} {batch}")
 
 
+def test_1f1b_on_stages_the_layers_do_not_divide_trains_as_one_stage_does(tmp_path):
+    """llama_tiny at 6 layers on stage=4 x context=2 with 1F1B, the 405B's design at its smallest: stages of 2, 2
+    and 2 layers and a last one running the head alone, the stack split over the stage axis on embed and mlp and
+    sent to the stages in an all-to-all, each sequence over 2 context shards. The loss and every gradient of a step
+    of 8 packed rows equal the same model's on one device (one pass of 8 each)."""
+    base = (
+        "from axgen.spec import MeshRule\nfrom axgen.specs.llama_tiny import spec as tiny\n"
+        "tiny = tiny.replace(decoder=tiny.decoder.replace(num_layers=6), targets=['cpu-8'])\n"
+    )
+    programs = {}
+    for name, rule in [
+        ("one_device", "spec = tiny\n"),
+        (
+            "uneven",
+            "rule = MeshRule('cpu-8', {'stage': 4, 'context': 2}, why='t', microbatch=8, pipeline_schedule='1f1b')\n"
+            "spec = tiny.replace(mesh_rules=[rule])\n",
+        ),
+    ]:
+        (tmp_path / f"{name}.py").write_text(base + rule)
+        out = tmp_path / f"{name}_program.py"
+        write_atomically(out, build(tmp_path / f"{name}.py", "cpu-8").source)
+        programs[name] = load_program(out)
+    one, uneven = programs["one_device"], programs["uneven"]
+    params = Program.from_module(one).init_params(jax.random.key(0))
+    packed = tuple(x[:8] for x in packed_batch(True))
+    step = functools.partial(runtime.gradients, microbatch=8, specs=one.PARAMS)
+    (expected_loss, _), expected_grads = jax.jit(
+        functools.partial(step, one.loss_fn, rules=one.LOGICAL_AXIS_RULES)
+    )({"params": params}, batch=packed)
+    program = Program.from_module(uneven)
+    mesh = program.make_mesh()
+    with jax.set_mesh(mesh):
+        placed = {"params": jax.device_put(params, program.param_shardings(mesh))}
+        (loss, _), grads = jax.jit(functools.partial(step, uneven.loss_fn, rules=uneven.LOGICAL_AXIS_RULES))(
+            placed, batch=packed
+        )
+    np.testing.assert_allclose(float(loss), float(expected_loss), rtol=1e-6)
+    assert_gradients_close(grads, expected_grads, 2e-6, "stage=4 x context=2, 6 layers")
+
+
 def test_the_lowering_shows_the_stages_and_refuses_what_it_cannot_split(tmp_path, capsys):
     """`axgen graph --after lowering` shows the decoder's scan in stages; the program runs it through
     runtime.pipeline, with why, and the train step its passes as without stages. More stages than layers, stages
