@@ -50,6 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     stops = (signal.SIGINT, signal.SIGTERM) if main_thread else ()
     previous = {number: signal.signal(number, stop_on_signal) for number in stops}
     forget_signals()
+    # A stop's KeyboardInterrupt raised while a garbage-collection callback runs is dropped, and Python's hook would
+    # print it as a traceback ("Exception ignored in: <function _xla_gc_callback ...>"); the stop is recorded and
+    # raised again (check_not_stopped), so it is not printed.
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: (
+        None if isinstance(unraisable.exc_value, KeyboardInterrupt) else hook(unraisable)
+    )
     try:
         result = args.run(args)
         check_not_stopped()  # a stop whose KeyboardInterrupt was dropped still ends the command as one
@@ -65,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         # are not stopped by the stop that ended it.
         for number, handler in previous.items():
             signal.signal(number, handler)
+        sys.unraisablehook = hook
         forget_signals()
 
 
