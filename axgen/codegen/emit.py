@@ -16,6 +16,7 @@ from pathlib import Path
 
 import black
 import jinja2
+import networkx as nx
 
 import axgen
 from axgen.files import OutputError, write_atomically
@@ -305,28 +306,18 @@ def _pipelined(env, graph: Graph, trunk: list[Node]) -> dict | None:
     (scan,) = scans
     at = trunk.index(scan)
     before = [n for n in trunk[:at] if n.op != "input"]
-    feeding = _ancestors(graph, graph.inputs(scan)["x"])
+    x = graph.inputs(scan)["x"]
+    feeding = {x.name, *nx.ancestors(graph.regions["main"].dag, x.name)}
     args = {slot: node.name for slot, node in graph.inputs(scan).items()}
     return {
         "scan": scan.attrs,
         "args": args,
         "output": scan.name,
         "xs": _scan_xs(scan, "params"),
-        "blocks": scan.attrs.blocks,
         "first_lines": _lines(env, graph, "main", "params", [n for n in before if n.name in feeding]),
         "input_lines": _lines(env, graph, "main", "params", [n for n in before if n.name not in feeding]),
         "last_lines": _lines(env, graph, "main", "params", trunk[at + 1 :]),
     }
-
-
-def _ancestors(graph: Graph, node: Node) -> set[str]:
-    """The names of a node and of every node it is computed from."""
-    names, todo = set(), [node]
-    while todo:
-        node = todo.pop()
-        names.add(node.name)
-        todo += graph.inputs(node).values()
-    return names
 
 
 def _lines(env, graph: Graph, region: str, param_root: str, nodes: list[Node] | None = None) -> list[str]:

@@ -22,9 +22,8 @@ from jax.sharding import PartitionSpec as P
 from axgen.runtime.context import (
     attention_over_context,
     context_shards,
-    manual_context,
-    manual_context,
     gathered_in_sequence_order,
+    split_context,
     sequence_index,
 )
 from axgen.runtime.kernels import ATTENTION_KERNELS
@@ -64,7 +63,7 @@ def causal_attention(
     if refused:
         raise ValueError(f"attention by {implementation}: {refused}")
     by_kernel = _by_kernel
-    if context is not None and (context_shards(rules, *q.shape[:2])[1] > 1 or manual_context(rules)[1] > 1):
+    if context is not None and split_context(rules, *q.shape[:2])[1] > 1:
         by_kernel = _over_context
     if not kernel.v_head_dim and v.shape[-1] != q.shape[-1]:
         padded = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, q.shape[-1] - v.shape[-1])))

@@ -31,15 +31,17 @@ def context_shards(rules: dict, batch: int, seq: int) -> tuple[tuple[str, ...], 
     return mesh_axes(entry), shards(entry, mesh.shape)
 
 
-def manual_context(rules: dict) -> tuple[tuple[str, ...], int]:
-    """(the mesh axes the rules give `seq` that an enclosing shard_map made manual, how many shards they make):
-    inside runtime.pipelined_loss's stages each device holds its own context shard of every sequence as a whole
-    array, so the reorderings and attention's gathers run on it directly. ((), 1) elsewhere."""
+def split_context(rules: dict, batch: int, seq: int) -> tuple[tuple[str, ...], int, bool]:
+    """(the context axes, how many shards they make, whether an enclosing shard_map made them manual): inside
+    runtime.pipelined_loss's stages each device holds its own context shard of every sequence as a whole array
+    [batch, seq / shards, ...], so the reorderings and attention's gathers run on it directly; elsewhere
+    `context_shards`, and ((), 1, False) outside a mesh."""
+    axes, count = context_shards(rules, batch, seq)
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty:
-        return (), 1
-    axes = tuple(a for a in rules.get("seq", ()) if a in mesh.manual_axes and mesh.shape[a] > 1)
-    return axes, math.prod(mesh.shape[a] for a in axes)
+    if count > 1 or mesh.empty:
+        return axes, count, False
+    manual = tuple(a for a in rules.get("seq", ()) if a in mesh.manual_axes and mesh.shape[a] > 1)
+    return manual, math.prod(mesh.shape[a] for a in manual), bool(manual)
 
 
 def to_context_order(x, rules: dict):
@@ -60,11 +62,9 @@ def sequence_index(seq: int, shards: int) -> np.ndarray:
 
 
 def _reordered(x, rules, to_context):
-    axes, count = context_shards(rules, x.shape[0], x.shape[1])
+    axes, count, manual = split_context(rules, x.shape[0], x.shape[1])
     if count == 1:
-        axes, count = manual_context(rules)
-        if count == 1:
-            return x
+        return x
     mesh = jax.sharding.get_abstract_mesh()
     spec = logical_to_mesh(rules, ("batch", "seq", *[None] * (x.ndim - 2)), x.shape, mesh.shape)
 
@@ -93,7 +93,7 @@ def _reordered(x, rules, to_context):
         odds = jax.lax.ppermute(odd, axes, [(j, (2 * count - 1 - even_chunk(j)) // 2) for j in range(count)])
         return jnp.concatenate([evens, odds], axis=1)
 
-    if set(axes) <= set(mesh.manual_axes):  # x is this device's shard already
+    if manual:  # x is this device's shard already
         return per_device(x)
     return jax.shard_map(per_device, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False)(x)
 
@@ -118,7 +118,7 @@ def attention_over_context(attend, q, k, v, segment_ids, rules: dict, sinks=None
     in bf16); a ring would hold two shards' worth but pass c - 1 times. Batch rows and heads split as `rules` split
     the activations."""
     batch, seq = q.shape[:2]
-    axes, count = context_shards(rules, batch, seq)
+    axes, count, manual = split_context(rules, batch, seq)
 
     def per_device(q, k, v, segment_ids, index, *sinks):
         k, v, kv_segments = (gathered_in_sequence_order(x, axes, count) for x in (k, v, segment_ids))
@@ -129,8 +129,7 @@ def attention_over_context(attend, q, k, v, segment_ids, rules: dict, sinks=None
     q_spec, kv_spec = attention_specs(rules, q.shape, k.shape)
     rows = P(q_spec[0], q_spec[1])
     sinks_spec = () if sinks is None else (P(q_spec[2]),)
-    if count == 1:  # inside the 1F1B stages, q, k and v are this device's context shard already
-        axes, count = manual_context(rules)
+    if manual:  # inside the 1F1B stages, q, k and v are this device's context shard already
         index = jnp.asarray(sequence_index(seq * count, count), jnp.int32).reshape(count, seq)
         # Manual over the other axes too, as below: cuDNN's partitioning rule fails on a partly manual mesh.
         return jax.shard_map(
